@@ -1,0 +1,43 @@
+"""The one op interface the model runner calls; it picks an implementation by device.
+
+CUDA tensors go to the Triton kernels (`triton_ops`) when they exist and import; everything else
+goes to the plain-torch reference (`reference`). `KVPILOT_KERNELS=triton` forces Triton (tests set
+it together with `TRITON_INTERPRET=1` to run the kernels on CPU); `KVPILOT_KERNELS=reference`
+forces the reference everywhere. Signatures and layouts are those of `reference.py`.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from kvpilot.kernels import reference
+
+_OPS = ("paged_attention", "write_kv_cache", "rms_norm", "fused_add_rms_norm", "rotary_embedding")
+
+
+def _triton() -> ModuleType | None:
+    try:
+        from kvpilot.kernels import triton_ops
+    except ImportError:
+        return None
+    return triton_ops
+
+
+def select(device: torch.device | str) -> ModuleType:
+    """The module whose functions implement the ops for tensors on `device`."""
+    choice = os.environ.get("KVPILOT_KERNELS", "auto")
+    if choice not in ("auto", "triton", "reference"):
+        raise ValueError(f"KVPILOT_KERNELS must be auto, triton or reference, not {choice!r}")
+    if choice == "reference":
+        return reference
+    wants_triton = choice == "triton" or torch.device(device).type == "cuda"
+    if wants_triton:
+        impl = _triton()
+        if impl is not None and all(hasattr(impl, name) for name in _OPS):
+            return impl
+        if choice == "triton":
+            raise RuntimeError("KVPILOT_KERNELS=triton but kvpilot.kernels.triton_ops is unavailable")
+    return reference

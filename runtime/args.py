@@ -1,0 +1,183 @@
+"""`EngineArgs`: the engine's arguments with vLLM's spellings, shared by `LLM(...)` keywords and
+the CLI flags of `kvpilot serve` / `kvpilot generate`.
+
+No torch here: the CLI builds its parser from this module before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.runtime.config import (
+    BLOCK_SIZES,
+    DTYPES,
+    LOAD_FORMATS,
+    PREEMPTION_MODES,
+    SCHEDULER_POLICIES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    quantization: str | None = None
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    block_size: int = 16
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    cpu_kv_cache_space: float = 1.0  # GiB of KV cache when running on the CPU
+    enable_prefix_caching: bool = False
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len without chunking
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    scheduler_policy: str = "fcfs"
+    max_queue_len: int | None = None
+    device: str = "auto"
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve the model and the defaults that depend on it; validate everything."""
+        from kvpilot.runtime.model_source import resolve_model
+
+        source = resolve_model(self.model, self.load_format, tokenizer=self.tokenizer)
+        native_len = source.max_position_embeddings
+        max_model_len = self.max_model_len or native_len
+        if max_model_len > native_len:
+            raise ValueError(
+                f"max_model_len: {max_model_len} exceeds the model's context length ({native_len})"
+            )
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = ModelConfig(
+            model=source.path,
+            served_model_name=self.served_model_name or source.name,
+            load_format=source.load_format,
+            dtype=self.dtype,
+            quantization=self.quantization,
+            max_model_len=max_model_len,
+            tokenizer=source.tokenizer,
+            seed=self.seed,
+        )
+        cache = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            swap_space_gib=self.swap_space,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
+            cpu_kv_cache_space_gib=self.cpu_kv_cache_space,
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            preemption_mode=self.preemption_mode,
+            policy=self.scheduler_policy,
+            max_queue_len=self.max_queue_len,
+        )
+        dev = DeviceConfig(device=device, enforce_eager=self.enforce_eager,
+                           tensor_parallel_size=self.tensor_parallel_size)
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler, device=dev)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None, kwargs: dict[str, Any]) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        if "tensor_parallel_degree" in kwargs:
+            kwargs = dict(kwargs)
+            kwargs["tensor_parallel_size"] = kwargs.pop("tensor_parallel_degree")
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model=model, **kwargs)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _positive_int(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, not {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be positive, not {value}")
+        return value
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], not {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], not {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
+    return value
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags, vLLM spellings; argparse rejects bad values with one line naming the flag."""
+    d = EngineArgs()
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default=None, help="local HF folder, .gguf file or preset (with --load-format dummy); default: embedded SmolLM2-135M-Instruct")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder, when it differs from the model's")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format)
+    g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="auto: bfloat16 on GPU, float32 on CPU")
+    g.add_argument("--quantization", default=None)
+    g.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None)
+    g.add_argument("--seed", type=int, default=d.seed)
+    g = parser.add_argument_group("KV cache")
+    g.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=d.block_size)
+    g.add_argument("--swap-space", type=_non_negative_float, default=d.swap_space, help="GiB of host memory for swapped KV blocks")
+    g.add_argument("--gpu-memory-utilization", type=_fraction, default=d.gpu_memory_utilization)
+    g.add_argument("--num-gpu-blocks-override", type=_positive_int("--num-gpu-blocks-override"), default=None)
+    g.add_argument("--cpu-kv-cache-space", type=_non_negative_float, default=d.cpu_kv_cache_space, help="GiB of KV cache on the CPU")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
+    g = parser.add_argument_group("scheduler")
+    g.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=None)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill)
+    g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=d.preemption_mode)
+    g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default=d.scheduler_policy)
+    g.add_argument("--max-queue-len", type=_positive_int("--max-queue-len"), default=None)
+    g = parser.add_argument_group("device")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--tensor-parallel-size", "--tensor-parallel-degree", dest="tensor_parallel_size",
+                   type=_positive_int("--tensor-parallel-size"), default=d.tensor_parallel_size)

@@ -1,0 +1,100 @@
+"""Engine configuration: one frozen dataclass per layer, composed into `EngineConfig`.
+
+Each validates itself in `__post_init__` and raises `ValueError` naming the field (the CLI
+turns that into one line naming the flag). `EngineArgs` (args.py) is the flat, user-facing form
+with vLLM's spellings; it resolves defaults that need the model (context length) and builds these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BLOCK_SIZES = (8, 16, 32, 64)
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULER_POLICIES = ("fcfs", "fair", "priority")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _check(condition: bool, name: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"{name}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # resolved local folder, .gguf file, or preset name (dummy)
+    served_model_name: str
+    load_format: str = "auto"
+    dtype: str = "auto"
+    quantization: str | None = None
+    max_model_len: int = 2048
+    tokenizer: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {', '.join(LOAD_FORMATS)}, not {self.load_format!r}")
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        _check(self.quantization is None, "quantization", f"{self.quantization!r} is not supported yet (GGUF files are de-quantised at load)")
+        _check(self.max_model_len > 0, "max_model_len", "must be positive")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    swap_space_gib: float = 4.0
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = False
+    # KV budget when running on the CPU, where there is no device memory to profile.
+    cpu_kv_cache_space_gib: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in BLOCK_SIZES, "block_size", f"must be one of {', '.join(map(str, BLOCK_SIZES))}, not {self.block_size}")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", f"must be in (0, 1], not {self.gpu_memory_utilization}")
+        _check(self.swap_space_gib >= 0, "swap_space", f"must be >= 0 GiB, not {self.swap_space_gib}")
+        _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0, "num_gpu_blocks_override", "must be positive")
+        _check(self.cpu_kv_cache_space_gib > 0, "cpu_kv_cache_space", "must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    policy: str = "fcfs"
+    max_queue_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
+        _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be positive")
+        _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"must be one of {', '.join(PREEMPTION_MODES)}, not {self.preemption_mode!r}")
+        _check(self.policy in SCHEDULER_POLICIES, "scheduler_policy", f"must be one of {', '.join(SCHEDULER_POLICIES)}, not {self.policy!r}")
+        _check(self.max_queue_len is None or self.max_queue_len > 0, "max_queue_len", "must be positive")
+        _check(
+            self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+            "max_num_batched_tokens",
+            f"({self.max_num_batched_tokens}) is smaller than max_model_len ({self.max_model_len}) "
+            "without chunked prefill: a long prompt could never be scheduled; enable chunked prefill or raise it",
+        )
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"  # resolved: "cpu" or "cuda"
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.device in ("cpu", "cuda"), "device", f"must be cpu or cuda, not {self.device!r}")
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)

@@ -1,0 +1,80 @@
+"""Build a model and fill its weights: safetensors from a local folder, or random (dummy)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpilot.runtime.config import ModelConfig
+from kvpilot.runtime.model_source import load_preset
+from kvpilot.runtime.models.llama import LlamaConfig, LlamaForCausalLM
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def hf_config_of(config: ModelConfig) -> dict[str, Any]:
+    folder = Path(config.model)
+    if config.load_format == "dummy" and not folder.is_dir():
+        return load_preset(config.model)
+    result: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    return result
+
+
+def safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{folder}: shards named in the index are missing: {', '.join(missing)}")
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors files")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                yield name, f.get_tensor(name)
+
+
+def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() == 1:
+            param.data.fill_(1.0 if name.endswith("norm") else 0.0)  # norms 1, biases 0
+        else:
+            param.data.normal_(0.0, 0.02, generator=gen)  # HF's initializer_range
+
+
+def load_model(config: ModelConfig, device: str) -> tuple[LlamaForCausalLM, LlamaConfig]:
+    cfg = LlamaConfig.from_hf(hf_config_of(config))
+    dtype = resolve_dtype(config.dtype, device)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to_empty(device=device)
+    if config.load_format == "dummy":
+        _fill_dummy(model, config.seed)
+    else:
+        with torch.no_grad():
+            model.load_weights(safetensors_weights(Path(config.model)))
+    model.eval().requires_grad_(False)
+    return model, cfg

@@ -1,0 +1,120 @@
+"""Turning logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
+
+Rows are sequences that sample this step. Greedy rows take the argmax; random rows draw with the
+exponential-race trick (argmax of p / E, E ~ Exp(1)), which equals sampling from p and lets each
+seeded sequence draw its noise from its own generator, so its tokens do not depend on what else
+is in the batch. Logprobs are those of the model's raw distribution (before penalties and
+temperature), as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    generator: torch.Generator | None
+    eos_token_ids: set[int]
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # per row: (logprob of the sampled token, its rank, top-k [(token_id, logprob)]) or None
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.needs_penalties:
+            continue
+        output = row.token_ids[row.num_prompt_tokens:]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=logits.device)
+            seen = seen[seen < vocab]
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if output and (p.frequency_penalty or p.presence_penalty):
+            ids = torch.tensor(output, dtype=torch.long, device=logits.device)
+            counts = torch.zeros(vocab, device=logits.device).scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.float))
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.token_ids) - row.num_prompt_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids or []) | (set() if p.ignore_eos else row.eos_token_ids)
+            if banned:
+                logits[i, list(banned)] = float("-inf")
+
+
+def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p for random rows; returns probabilities."""
+    device = logits.device
+    temps = torch.tensor([r.params.temperature for r in rows], device=device)
+    logits = logits / temps[:, None]
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[1]
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        remove = ranks >= k[:, None]
+        probs_sorted = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        cum = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass strictly before each token
+        remove |= cum >= torch.tensor(top_p, device=device)[:, None]
+        remove[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+    if bool((min_p > 0).any()):
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+    """logits (num_rows, vocab) float32 -> one token per row."""
+    want_logprobs = [r.params.logprobs is not None for r in rows]
+    raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+    if any(r.params.needs_penalties or r.params.min_tokens for r in rows):
+        logits = logits.clone()
+        _apply_penalties(logits, rows)
+        _apply_min_tokens(logits, rows)
+    chosen = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        probs = _filter(logits[idx], [rows[i] for i in random_rows])
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            noise[j].exponential_(generator=rows[i].generator)
+        chosen[idx] = (probs / noise).argmax(dim=-1)
+    token_ids = chosen.tolist()
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * len(rows)
+    if raw_logprobs is not None:
+        for i, row in enumerate(rows):
+            if row.params.logprobs is None:
+                continue
+            lp = raw_logprobs[i]
+            token_lp = lp[token_ids[i]]
+            rank = int((lp > token_lp).sum().item()) + 1
+            top: list[tuple[int, float]] = []
+            if row.params.logprobs:
+                vals, ids = lp.topk(row.params.logprobs)
+                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+            logprobs[i] = (float(token_lp), rank, top)
+    return SampleResult(token_ids=token_ids, logprobs=logprobs)

@@ -1,0 +1,101 @@
+"""Requests and sequences, the scheduler's unit of work. No torch.
+
+A *request* is what a user submitted (prompt + sampling params); it owns `n` *sequences*, one
+per sample, each scheduled on its own. A sequence's tokens are its prompt followed by what it has
+generated; `num_computed_tokens` of them have their keys and values in the KV cache, held in the
+blocks listed in `block_table`. After a recompute preemption that count drops to zero and the
+sequence is prefilled again, prompt and output alike.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from kvpilot.runtime.outputs import Logprob, RequestMetrics
+from kvpilot.runtime.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # output side, filled by the engine's postprocessing
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # incremental detokenization state (see tokenizer.Detokenizer)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0  # lower runs first under the priority policy
+    seqs: list[Sequence] = field(default_factory=list)
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if not self.seqs:
+            self.seqs = [
+                Sequence(request=self, index=i, token_ids=list(self.prompt_token_ids),
+                         num_prompt_tokens=len(self.prompt_token_ids))
+                for i in range(self.params.n)
+            ]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)

@@ -1,0 +1,70 @@
+"""Tokenizer access and incremental detokenization.
+
+Decoding a growing token list one token at a time is wrong for byte-level BPE (a character can
+span tokens) and quadratic if redone from the start; like vLLM we decode a short window
+`[prefix_offset:]` and emit only what extends the already-read text, holding back a trailing
+replacement character until the next token completes it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvpilot.runtime.sequence import Sequence
+
+
+class Tokenizer:
+    def __init__(self, folder: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(folder)
+        self.eos_token_ids = self._eos_ids(Path(folder))
+
+    def _eos_ids(self, folder: Path) -> set[int]:
+        ids: set[int] = set()
+        if self.hf.eos_token_id is not None:
+            ids.add(int(self.hf.eos_token_id))
+        gen = folder / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **kwargs: Any) -> str:
+        if chat_template is None and not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template or use completions")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template, **kwargs)
+        return str(text)
+
+    def convert_id(self, token_id: int) -> str:
+        return str(self.hf.convert_ids_to_tokens(token_id))
+
+    def detokenize_step(self, seq: Sequence) -> str:
+        """Append the text of `seq`'s newest token to `seq.text`; return the new characters."""
+        if seq.read_offset == 0 and seq.prefix_offset == 0:
+            # start from the end of the prompt, with a few prompt tokens as context
+            seq.read_offset = seq.num_prompt_tokens
+            seq.prefix_offset = max(0, seq.num_prompt_tokens - 5)
+        skip = seq.params.skip_special_tokens
+        ids = seq.token_ids
+        if skip and ids[-1] in self.hf.all_special_ids:
+            return ""
+        prefix = self.decode(ids[seq.prefix_offset:seq.read_offset], skip)
+        full = self.decode(ids[seq.prefix_offset:], skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix):]
+            seq.prefix_offset = seq.read_offset
+            seq.read_offset = len(ids)
+            seq.text += new
+            return new
+        return ""
