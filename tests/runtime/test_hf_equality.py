@@ -1,0 +1,109 @@
+"""Greedy output equals Hugging Face transformers' `generate` token for token, on the embedded
+SmolLM2 and on tiny random Llama, llama3-rope-scaled, Mistral, Qwen2 and tied-embedding models."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny_models import TINY_CONFIGS, hf_greedy
+
+from kvpilot.runtime import LLM, SamplingParams
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in detail how a transformer language model turns a prompt into text, step by step, "
+    "covering tokenization, embeddings, attention layers, the feed-forward blocks, the final "
+    "projection onto the vocabulary and how sampling picks each next token. " * 3,
+]
+
+
+def chat_ids(llm: LLM, question: str) -> list[int]:
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    return llm.tokenizer.encode(text)
+
+
+def test_smollm2_chat_answer_matches_hf(smol_llm: LLM, smol_hf) -> None:
+    out = smol_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop"
+    ids = chat_ids(smol_llm, "What is the capital of France?")
+    assert out.token_ids == hf_greedy(smol_hf, ids, 40, stop_at_eos=True)
+
+
+def test_smollm2_batch_of_very_different_lengths_matches_hf(smol_llm: LLM, smol_hf) -> None:
+    prompts = [smol_llm.tokenizer.encode("The capital of France is")] + [chat_ids(smol_llm, q) for q in QUESTIONS]
+    assert max(map(len, prompts)) > 5 * min(map(len, prompts))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = smol_llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(smol_hf, prompt, 24)
+
+
+def test_smollm2_with_small_prefill_chunks_matches_hf(smol_folder: str, smol_hf) -> None:
+    llm = LLM(max_model_len=512, max_num_batched_tokens=16, enable_chunked_prefill=True, block_size=8)
+    prompts = [chat_ids(llm, q) for q in QUESTIONS[:3]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(smol_hf, prompt, 12)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def random_prompts(rng: random.Random, lengths: list[int], vocab: int = 256) -> list[list[int]]:
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("kind", list(TINY_CONFIGS))
+def test_tiny_architecture_matches_hf(kind: str, tiny_models) -> None:
+    folder, hf = tiny_models[kind]
+    prompts = random_prompts(random.Random(kind), [1, 7, 33, 120])
+    llm = LLM(folder, max_model_len=256)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=20))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 20)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_every_block_size_and_chunking_matches_hf(block_size: int, chunk: int | None, tiny_models) -> None:
+    folder, hf = tiny_models["llama"]
+    prompts = random_prompts(random.Random(block_size), [3, 64, 150, 9, 71])
+    llm = LLM(folder, max_model_len=256, block_size=block_size,
+              enable_chunked_prefill=chunk is not None, max_num_batched_tokens=chunk or 256, max_num_seqs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=30))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 30)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_preemption_under_a_tiny_cache_keeps_greedy_output(tiny_models) -> None:
+    folder, hf = tiny_models["qwen2"]
+    prompts = random_prompts(random.Random(7), [40, 50, 60, 45])
+    # 20 blocks of 16 = 320 slots for four sequences that grow to ~110 tokens each
+    llm = LLM(folder, max_model_len=256, num_gpu_blocks_override=20, block_size=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=60))
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 60)
+    assert llm.engine.block_manager.num_free_blocks == 20
+
+
+def test_logprobs_agree_with_hf_log_softmax(smol_llm: LLM, smol_hf) -> None:
+    prompt = chat_ids(smol_llm, "Name three colours.")
+    out = smol_llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True))[0].outputs[0]
+    with torch.no_grad():
+        logits = smol_hf(torch.tensor([prompt + out.token_ids])).logits[0].float()
+    ref = logits.log_softmax(-1)[len(prompt) - 1:-1]  # the distribution each output token was drawn from
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    total = 0.0
+    for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        assert entry[token].rank == 1  # greedy picks the most likely token
+        assert entry[token].logprob == pytest.approx(ref[step, token].item(), abs=1e-3)
+        top_ids = ref[step].topk(5).indices.tolist()
+        assert set(entry) == set(top_ids)
+        total += entry[token].logprob
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
