@@ -7,6 +7,7 @@ detokenizes, applies stop conditions and frees what finished.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -24,6 +25,13 @@ from kvpilot.runtime.sequence import Request, Sequence
 from kvpilot.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+# Engine settings that `update_config` changes on a live engine, and the config layer of each.
+LIVE_TUNABLES = {
+    "block_size": "cache", "preemption_mode": "scheduler", "scheduler_policy": "scheduler",
+    "max_num_seqs": "scheduler", "max_num_batched_tokens": "scheduler",
+}
 
 
 class RequestError(ValueError):
@@ -110,6 +118,44 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    # ---- live tuning ----------------------------------------------------------------------
+
+    def live_config(self) -> dict[str, object]:
+        c = self.config
+        return {"block_size": c.cache.block_size, "preemption_mode": c.scheduler.preemption_mode,
+                "scheduler_policy": c.scheduler.policy, "max_num_seqs": c.scheduler.max_num_seqs,
+                "max_num_batched_tokens": c.scheduler.max_num_batched_tokens}
+
+    def update_config(self, changes: dict[str, object]) -> dict[str, object]:
+        """Apply live tunables between steps without dropping a request; returns what changed
+        as {name: {"old": ..., "new": ...}}. Call only from the thread that runs `step`.
+
+        A new block size re-cuts the KV cache: running sequences are recompute-preempted first
+        and re-prefilled on the next steps, so their outputs continue unchanged.
+        """
+        unknown = sorted(set(changes) - set(LIVE_TUNABLES))
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not a live tunable (tunables: {', '.join(LIVE_TUNABLES)})")
+        before = self.live_config()
+        for name, value in changes.items():
+            if type(value) is not type(before[name]):
+                raise ValueError(f"{name}: expected {type(before[name]).__name__}, got {value!r}")
+        wanted = {k: v for k, v in changes.items() if before[k] != v}
+        sched_fields = {("policy" if k == "scheduler_policy" else k): v for k, v in wanted.items()
+                        if LIVE_TUNABLES[k] == "scheduler"}
+        cache = self.config.cache
+        scheduler = dataclasses.replace(self.config.scheduler, **sched_fields)  # type: ignore[arg-type]
+        if "block_size" in wanted:
+            cache = dataclasses.replace(cache, block_size=wanted["block_size"])  # type: ignore[arg-type]
+            self.scheduler.preempt_all()
+            self.runner.resize_kv_cache(cache.block_size)
+            self.block_manager = BlockManager(self.runner.num_blocks, cache.block_size)
+            self.scheduler.block_manager = self.block_manager
+        self.config = dataclasses.replace(self.config, cache=cache, scheduler=scheduler)
+        self.scheduler.config = scheduler
+        after = self.live_config()
+        return {k: {"old": before[k], "new": after[k]} for k in wanted}
 
     # ---- the step -------------------------------------------------------------------------
 

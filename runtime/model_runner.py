@@ -97,6 +97,17 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
 
+    def resize_kv_cache(self, block_size: int) -> None:
+        """Re-cut the same KV memory into blocks of `block_size` (the cache's contents are lost:
+        callers preempt every running sequence first)."""
+        total_bytes = self.num_blocks * self.bytes_per_block
+        self.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.block_size = block_size
+        self.num_blocks = total_bytes // self.bytes_per_block
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+
     def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         bs = self.block_size
         input_ids: list[int] = []

@@ -9,7 +9,7 @@ without it a prompt is admitted only whole. A step therefore has one shape for e
 
 When a running sequence needs a block and none is free, the newest running sequence is
 preempted (recompute: its blocks are freed and it is prefilled again later). Swap preemption and
-the fair/priority policies plug in at `_preempt` and `_admission_order`.
+the fair/priority policies plug in at `preempt` and `_pick_victim`.
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_append(seq, num_new):
                 victim = self._pick_victim(scheduled_ids)
-                self._preempt(victim, out)
+                self.preempt(victim)
+                out.preempted.append(victim)
+                out.scheduled = [s for s in out.scheduled if s.seq is not victim]
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
@@ -122,13 +124,18 @@ class Scheduler:
                 return seq
         return self.running[-1]
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the sequence's KV and queue it first for re-prefill."""
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
-        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self.num_preemptions += 1
+
+    def preempt_all(self) -> int:
+        """Preempt every running sequence, oldest ending first in the queue; returns how many."""
+        running = list(self.running)
+        for seq in reversed(running):
+            self.preempt(seq)
+        return len(running)

@@ -1,0 +1,138 @@
+"""OpenAI request bodies (pydantic, the HTTP edge only) and their conversion to `SamplingParams`.
+
+Fields follow OpenAI's API plus vLLM's extra sampling fields (`top_k`, `min_p`,
+`repetition_penalty`, ...). Unknown fields are ignored, as OpenAI clients send `extra_body`
+freely; wrong types are rejected (the server turns pydantic's errors into a 400).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvpilot.runtime.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by chat and completions requests."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the field for values out of range."""
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as a chat template expects it: content parts flattened to one string."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("messages: only text content parts are supported")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(max_tokens, logprobs)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise ValueError("echo: is not supported")
+        if self.suffix:
+            raise ValueError("suffix: is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: is not supported (must equal n)")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if p and all(isinstance(x, int) for x in p):
+            return list(p)  # type: ignore[arg-type]
+        if len(p) == 1:
+            return p[0]  # type: ignore[return-value]
+        raise ValueError("prompt: send one prompt per request (a string or a list of token ids)")
