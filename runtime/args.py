@@ -55,6 +55,8 @@ class EngineArgs:
         """Resolve the model and the defaults that depend on it; validate everything."""
         from kvpilot.runtime.model_source import resolve_model
 
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size: only 1 is supported so far (tensor parallelism is not built yet)")
         source = resolve_model(self.model, self.load_format, tokenizer=self.tokenizer)
         native_len = source.max_position_embeddings
         max_model_len = self.max_model_len or native_len
@@ -118,16 +120,14 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def _positive_int(flag: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer, not {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be positive, not {value}")
-        return value
-    return parse
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, not {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {value}")
+    return value
 
 
 def _fraction(text: str) -> float:
@@ -160,24 +160,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format)
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="auto: bfloat16 on GPU, float32 on CPU")
     g.add_argument("--quantization", default=None)
-    g.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None)
+    g.add_argument("--max-model-len", type=_positive_int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
     g = parser.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=d.block_size)
     g.add_argument("--swap-space", type=_non_negative_float, default=d.swap_space, help="GiB of host memory for swapped KV blocks")
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=d.gpu_memory_utilization)
-    g.add_argument("--num-gpu-blocks-override", type=_positive_int("--num-gpu-blocks-override"), default=None)
+    g.add_argument("--num-gpu-blocks-override", type=_positive_int, default=None)
     g.add_argument("--cpu-kv-cache-space", type=_non_negative_float, default=d.cpu_kv_cache_space, help="GiB of KV cache on the CPU")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
     g = parser.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=None)
+    g.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill)
     g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=d.preemption_mode)
     g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default=d.scheduler_policy)
-    g.add_argument("--max-queue-len", type=_positive_int("--max-queue-len"), default=None)
+    g.add_argument("--max-queue-len", type=_positive_int, default=None)
     g = parser.add_argument_group("device")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--tensor-parallel-size", "--tensor-parallel-degree", dest="tensor_parallel_size",
-                   type=_positive_int("--tensor-parallel-size"), default=d.tensor_parallel_size)
+                   type=_positive_int, default=d.tensor_parallel_size)

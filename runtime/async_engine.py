@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.runtime.engine import LLMEngine
+from kvpilot.runtime.engine import LLMEngine, StepStats
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 
@@ -89,7 +89,8 @@ class RequestStream:
                 return
 
 
-StepHook = Callable[[LLMEngine, list[RequestOutput], EngineSnapshot], None]
+# Called on the engine thread after every step (with its stats) and after commands (stats None).
+StepHook = Callable[[LLMEngine, list[RequestOutput], EngineSnapshot, StepStats | None], None]
 
 
 class AsyncEngine:
@@ -213,10 +214,10 @@ class AsyncEngine:
                 if not self._apply_commands(block=not self.engine.has_unfinished_requests()):
                     return
                 if not self.engine.has_unfinished_requests():
-                    self._publish([])
+                    self._publish([], None)
                     continue
                 outputs = self.engine.step()
-                self._publish(outputs)
+                self._publish(outputs, self.engine.last_step)
                 if outputs:
                     assert self._loop is not None
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
@@ -256,8 +257,6 @@ class AsyncEngine:
             except ValueError as e:
                 error = e
         self._resolve(cmd.admitted, None, error)
-        if error is None and cmd.admitted.cancelled():
-            self.engine.abort_request(cmd.request_id)
 
     def _apply_call(self, cmd: _Call) -> None:
         try:
@@ -265,7 +264,7 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - handed back to the caller
             value, error = None, e
         self._resolve(cmd.result, value, error)
-        self._publish([])
+        self._publish([], None)
 
     def _resolve(self, future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
         def settle() -> None:
@@ -294,7 +293,7 @@ class AsyncEngine:
             kv_cache_usage=bm.usage,
         )
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
         self.snapshot = self._take_snapshot()
         if self.on_step is not None:
-            self.on_step(self.engine, outputs, self.snapshot)
+            self.on_step(self.engine, outputs, self.snapshot, stats)

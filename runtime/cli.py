@@ -10,14 +10,24 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from importlib import import_module
+from typing import NoReturn
 
 # subcommand -> (module, one-line help). The module has `add_arguments(parser)` and `run(args)`.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("kvpilot.runtime.generate_cli", "Generate completions offline for prompts."),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags fail with one line naming the flag, not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpilot", description="LLM serving for Kubernetes.")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = _Parser(prog="kvpilot", description="LLM serving for Kubernetes.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         sub.set_defaults(_module=module)

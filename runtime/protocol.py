@@ -14,6 +14,22 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvpilot.runtime.sampling_params import SamplingParams
 
 
+class APIError(Exception):
+    """An error a client can cause, answered as OpenAI's error JSON with `status`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False

@@ -1,0 +1,150 @@
+"""Prometheus metrics of `kvpilot serve`: vLLM's `vllm:*` names (so vLLM dashboards, KEDA/HPA
+adapters and scrapers work unchanged) and kvpilot's own `kvpilot_*` names, all with the
+`model_name` label. Updated on the engine thread after every step; prometheus_client is
+thread-safe, and each server owns its registry so several can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvpilot.runtime.async_engine import EngineSnapshot
+from kvpilot.runtime.engine import LLMEngine, StepStats
+from kvpilot.runtime.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0)
+_ITERATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Requests running on the engine.", m, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", m, registry=r)
+        self.kv_usage_perc = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", m, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative preemptions.", m, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", m, registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", m,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between generated tokens.", m,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", m,
+                             buckets=_REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time spent waiting before first scheduled.",
+                                    m, buckets=_REQUEST_BUCKETS, registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               m + ["finished_reason"], registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", m, registry=r)
+        self.cache_info = Gauge("vllm:cache_config_info", "The KV-cache configuration (value 1).",
+                                m + ["block_size", "num_gpu_blocks", "preemption_mode", "enable_prefix_caching"], registry=r)
+        self.iteration_time = Histogram("kvpilot_iteration_time_seconds", "Duration of one engine step.", m,
+                                        buckets=_ITERATION_BUCKETS, registry=r)
+        self.num_running_seqs = Gauge("kvpilot_num_running_seqs", "Sequences running.", m, registry=r)
+        self.num_waiting_seqs = Gauge("kvpilot_num_waiting_seqs", "Sequences waiting.", m, registry=r)
+        self.num_swapped_seqs = Gauge("kvpilot_num_swapped_seqs", "Sequences swapped out to host memory.", m, registry=r)
+        self.kv_usage_ratio = Gauge("kvpilot_kv_cache_usage_ratio", "Fraction of KV blocks in use.", m, registry=r)
+        self.block_size = Gauge("kvpilot_block_size", "Tokens per KV block.", m, registry=r)
+        self.preemption_mode = Gauge("kvpilot_preemption_mode", "1 for the preemption mode in force.", m + ["mode"], registry=r)
+        self.preemptions_by_mode = Counter("kvpilot_preemptions", "Preemptions by mode.", m + ["mode"], registry=r)
+        self.swap_bytes = Counter("kvpilot_swap_bytes", "Bytes of KV cache swapped, by direction.", m + ["direction"], registry=r)
+        self.config_changes = Counter("kvpilot_config_changes", "Live configuration changes applied.", m, registry=r)
+        for direction in ("in", "out"):
+            self.swap_bytes.labels(model_name, direction)
+        for mode in PREEMPTION_MODES:
+            self.preemptions_by_mode.labels(model_name, mode)
+        self.config_changes.labels(model_name)
+        self._cache_info_labels: tuple[str, ...] | None = None
+        self._last_token_time: dict[str, float] = {}
+        # for the periodic log line; reset by `take_interval`
+        self._interval_steps = 0
+        self._interval_time = 0.0
+
+    def expose(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def record_config_change(self) -> None:
+        self.config_changes.labels(self.model_name).inc()
+
+    def record(self, engine: LLMEngine, outputs: list[RequestOutput], snapshot: EngineSnapshot,
+               stats: StepStats | None) -> None:
+        """The engine thread's hook: gauges from the snapshot, counters from the step's stats."""
+        name = self.model_name
+        self._record_config(engine)
+        waiting_requests = sum(1 for r in engine.requests.values() if r.metrics.first_scheduled_time is None)
+        self.running.labels(name).set(snapshot.num_requests - waiting_requests)
+        self.waiting.labels(name).set(waiting_requests)
+        self.kv_usage_perc.labels(name).set(snapshot.kv_cache_usage)
+        self.kv_usage_ratio.labels(name).set(snapshot.kv_cache_usage)
+        self.num_running_seqs.labels(name).set(snapshot.num_running_seqs)
+        self.num_waiting_seqs.labels(name).set(snapshot.num_waiting_seqs)
+        self.num_swapped_seqs.labels(name).set(snapshot.num_swapped_seqs)
+        if stats is not None:
+            self._interval_steps += 1
+            self._interval_time += stats.duration_s
+            self.iteration_time.labels(name).observe(stats.duration_s)
+            self.prompt_tokens.labels(name).inc(stats.num_prompt_tokens)
+            self.generation_tokens.labels(name).inc(stats.num_generation_tokens)
+            if stats.num_preemptions:
+                mode = engine.config.scheduler.preemption_mode
+                self.preemptions.labels(name).inc(stats.num_preemptions)
+                self.preemptions_by_mode.labels(name, mode).inc(stats.num_preemptions)
+        for out in outputs:
+            self._record_output(out)
+        if len(self._last_token_time) > len(engine.requests):  # aborted requests
+            for request_id in [r for r in self._last_token_time if r not in engine.requests]:
+                del self._last_token_time[request_id]
+
+    def _record_config(self, engine: LLMEngine) -> None:
+        name = self.model_name
+        cache, sched = engine.config.cache, engine.config.scheduler
+        self.block_size.labels(name).set(cache.block_size)
+        for mode in PREEMPTION_MODES:
+            self.preemption_mode.labels(name, mode).set(1.0 if mode == sched.preemption_mode else 0.0)
+        labels = (name, str(cache.block_size), str(engine.block_manager.num_blocks), sched.preemption_mode,
+                  str(cache.enable_prefix_caching).lower())
+        if labels != self._cache_info_labels:
+            if self._cache_info_labels is not None:
+                self.cache_info.remove(*self._cache_info_labels)
+            self.cache_info.labels(*labels).set(1)
+            self._cache_info_labels = labels
+
+    def _record_output(self, out: RequestOutput) -> None:
+        name, m = self.model_name, out.metrics
+        if m is None:
+            return
+        if m.last_token_time is not None:
+            previous = self._last_token_time.get(out.request_id)
+            if previous is None and m.first_token_time is not None:
+                self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
+            elif previous is not None and m.last_token_time > previous:
+                self.itl.labels(name).observe(m.last_token_time - previous)
+            self._last_token_time[out.request_id] = m.last_token_time
+        if out.finished:
+            self._last_token_time.pop(out.request_id, None)
+            finished = m.finished_time or time.time()
+            self.e2e.labels(name).observe(finished - m.arrival_time)
+            if m.first_scheduled_time is not None:
+                self.queue_time.labels(name).observe(m.first_scheduled_time - m.arrival_time)
+            reason = out.outputs[0].finish_reason or "abort"
+            self.success.labels(name, reason).inc()
+            self.prefix_queries.labels(name).inc(len(out.prompt_token_ids))
+            self.prefix_hits.labels(name).inc(out.num_cached_tokens)
+
+    def take_interval(self) -> tuple[int, float]:
+        """(steps, seconds stepping) since the last call."""
+        steps, seconds = self._interval_steps, self._interval_time
+        self._interval_steps, self._interval_time = 0, 0.0
+        return steps, seconds

@@ -1,0 +1,259 @@
+"""`/v1/chat/completions` and `/v1/completions`: request -> engine request -> OpenAI response.
+
+Both endpoints share one flow: check the model, convert the body to `SamplingParams`, admit the
+request (errors become `APIError`s, so a client gets a 400/429 before any stream starts), then
+either collect the final output or stream SSE chunks. The engine's texts are cumulative and
+never shrink, so a stream's delta is `text[len(sent):]`. A client that goes away, or a stream
+that is cancelled, aborts its request, which frees its KV blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvpilot.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from kvpilot.runtime.engine import RequestError
+from kvpilot.runtime.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from kvpilot.runtime.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.tokenizer import Tokenizer
+
+# choices of one chunk/response, built from one completion and the number of tokens already sent
+ChoiceBuilder = Callable[[CompletionOutput, int, int], dict[str, Any]]
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
+                 is_draining: Callable[[], bool]) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.is_draining = is_draining
+
+    # ---- endpoints -------------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_model(body.model)
+        params = _to_params(body.to_sampling_params)
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions "
+                           "with prompt token ids", param="messages")
+        try:
+            messages = [m.as_template_input() for m in body.messages]
+            prompt = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, chat_template=body.chat_template)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # noqa: BLE001 - jinja errors in a user's template or messages
+            raise APIError(400, f"the chat template could not be applied: {e}", param="messages") from None
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        top = body.top_logprobs or 0
+        return await self._serve(request_id, prompt, params, raw, body.stream, body.include_usage,
+                                 body.stream_options is not None and body.stream_options.continuous_usage_stats,
+                                 "chat.completion", lambda c, sent, _: self._chat_choice(c, sent, top, body.stream))
+
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        self._check_model(body.model)
+        params = _to_params(body.to_sampling_params)
+        prompt = _to_params(body.single_prompt)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        return await self._serve(request_id, prompt, params, raw, body.stream, body.include_usage,
+                                 body.stream_options is not None and body.stream_options.continuous_usage_stats,
+                                 "text_completion", self._completion_choice)
+
+    # ---- the shared flow -------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           type="not_found_error", param="model", code="model_not_found")
+
+    async def _serve(self, request_id: str, prompt: str | list[int], params: SamplingParams, raw: Request,
+                     stream: bool, include_usage: bool, continuous_usage: bool, kind: str,
+                     choice: ChoiceBuilder) -> Response:
+        if self.is_draining():
+            raise APIError(503, "the server is shutting down and takes no new requests; retry on another replica",
+                           type="service_unavailable_error", code="draining")
+        outputs = await self._admit(request_id, prompt, params)
+        created = int(time.time())
+        if stream:
+            chunks = self._stream(request_id, outputs, created, kind, choice, include_usage, continuous_usage)
+            return StreamingResponse(chunks, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        final = await self._collect(request_id, outputs, raw)
+        if final is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse({
+            "id": request_id, "object": kind, "created": created, "model": self.model_name,
+            "choices": [choice(c, 0, 0) for c in final.outputs],
+            "usage": _usage(final),
+        })
+
+    async def _admit(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+        try:
+            return await self.engine.add_request(request_id, prompt, params)
+        except QueueFullError as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+        except EngineDeadError as e:
+            raise APIError(500, str(e), type="internal_error", code="engine_dead") from None
+        except RequestError as e:
+            message = str(e)
+            code = "context_length_exceeded" if "context length" in message else "invalid_prompt"
+            raise APIError(400, message, code=code) from None
+        except ValueError as e:
+            raise APIError(400, str(e), param=_field_of(str(e))) from None
+
+    async def _collect(self, request_id: str, outputs: RequestStream, raw: Request) -> RequestOutput | None:
+        async def last() -> RequestOutput:
+            final = None
+            async for out in outputs:
+                final = out
+            assert final is not None
+            return final
+
+        result = asyncio.ensure_future(last())
+        disconnect = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            done, _ = await asyncio.wait({result, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            if not result.done():
+                result.cancel()
+                self.engine.abort(request_id)
+        if result not in done:
+            return None
+        try:
+            return result.result()
+        except EngineDeadError as e:
+            raise APIError(500, str(e), type="internal_error", code="engine_dead") from None
+
+    async def _stream(self, request_id: str, outputs: RequestStream, created: int, kind: str,
+                      choice: ChoiceBuilder, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
+        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
+
+        def event(choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
+                  with_usage: bool = include_usage) -> str:
+            body: dict[str, Any] = {"id": request_id, "object": chunk_kind, "created": created,
+                                    "model": self.model_name, "choices": choices}
+            if with_usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        sent_chars: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        last: RequestOutput | None = None
+        try:
+            async for out in outputs:
+                last = out
+                choices = []
+                for c in out.outputs:
+                    if c.index not in sent_chars:
+                        sent_chars[c.index] = sent_tokens[c.index] = 0
+                        if kind == "chat.completion":
+                            yield event([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}])
+                    if sent_tokens[c.index] < 0:  # this sample already finished
+                        continue
+                    if len(c.text) == sent_chars[c.index] and len(c.token_ids) == sent_tokens[c.index] \
+                            and not c.finished:
+                        continue
+                    choices.append(choice(c, sent_chars[c.index], sent_tokens[c.index]))
+                    sent_chars[c.index] = len(c.text)
+                    sent_tokens[c.index] = -1 if c.finished else len(c.token_ids)
+                if choices:
+                    yield event(choices, _usage(out) if continuous_usage else None)
+            if include_usage and last is not None:
+                yield event([], _usage(last))
+        except EngineDeadError as e:
+            yield f"data: {json.dumps(APIError(500, str(e), type='internal_error', code='engine_dead').body())}\n\n"
+        finally:
+            if not outputs.finished:  # cancelled: the client went away or the server stops
+                self.engine.abort(request_id)
+        yield "data: [DONE]\n\n"
+
+    # ---- response bodies -------------------------------------------------------------------
+
+    def _chat_choice(self, c: CompletionOutput, sent_chars: int, sent_tokens: int, top: int,
+                     stream: bool) -> dict[str, Any]:
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = {"content": [self._chat_logprob(t, lp, top)
+                                    for t, lp in zip(c.token_ids[sent_tokens:], c.logprobs[sent_tokens:], strict=False)]}
+        text = c.text[sent_chars:]
+        body: dict[str, Any] = {"index": c.index, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason}
+        if stream:
+            body["delta"] = {"content": text} if text or not c.finished else {}
+        else:
+            body["message"] = {"role": "assistant", "content": text}
+        return body
+
+    def _chat_logprob(self, token_id: int, entry: dict[int, Any], top: int) -> dict[str, Any]:
+        token = self._token_text(token_id)
+        ranked = sorted((lp for lp in entry.items() if lp[1].rank <= top), key=lambda kv: kv[1].rank)
+        return {"token": token, "logprob": _finite(entry[token_id].logprob), "bytes": list(token.encode()),
+                "top_logprobs": [{"token": (t := self._token_text(tid)), "logprob": _finite(lp.logprob),
+                                  "bytes": list(t.encode())} for tid, lp in ranked]}
+
+    def _completion_choice(self, c: CompletionOutput, sent_chars: int, sent_tokens: int) -> dict[str, Any]:
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = self._completion_logprobs(c.token_ids[sent_tokens:], c.logprobs[sent_tokens:], sent_chars)
+        return {"index": c.index, "text": c.text[sent_chars:], "logprobs": logprobs,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs, offset: int) -> dict[str, Any]:
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, logprobs, strict=False):
+            token = self._token_text(token_id)
+            tokens.append(token)
+            token_logprobs.append(_finite(entry[token_id].logprob))
+            tops.append({self._token_text(t): _finite(lp.logprob) for t, lp in
+                         sorted(entry.items(), key=lambda kv: kv[1].rank)})
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"<{token_id}>"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _finite(value: float) -> float:
+    """JSON has no -inf: clamp it as OpenAI-compatible servers do."""
+    return max(value, -9999.0)
+
+
+def _field_of(message: str) -> str | None:
+    """The field a `ValueError` names: its messages start with `field: ...`."""
+    head, sep, _ = message.partition(":")
+    return head if sep and head.isidentifier() else None
+
+
+def _to_params(build: Callable[[], Any]) -> Any:
+    try:
+        return build()
+    except ValueError as e:
+        raise APIError(400, str(e), param=_field_of(str(e))) from None
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
