@@ -1,0 +1,68 @@
+"""Scatter new tokens' keys and values into the paged KV cache.
+
+k/v (num_tokens, num_kv_heads, head_dim); k_cache/v_cache (num_blocks, block_size, num_kv_heads,
+head_dim); slot_mapping (num_tokens,) int64 or int32, flat slot = block_id * block_size + offset,
+-1 for padding tokens that are skipped. One program copies one token's heads (a
+(num_kv_heads, head_dim) tile) for K and V.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from kvpilot.kernels.checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+    k = tl.load(k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + block * stride_cb + offset * stride_cs + h[:, None] * stride_ch + d[None, :],
+             k, mask=mask)
+    tl.store(v_cache_ptr + block * stride_db + offset * stride_ds + h[:, None] * stride_dh + d[None, :],
+             v, mask=mask)
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter the new tokens' keys and values into their cache slots, in place."""
+    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
+    device = k_cache.device
+    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES, device)
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    check_tensor("k", k, 3, FLOAT_DTYPES, device)
+    num_tokens = k.shape[0]
+    check_shape("k", k, (num_tokens, num_kv_heads, head_dim))
+    check_tensor("v", v, 3, FLOAT_DTYPES, device)
+    check_shape("v", v, (num_tokens, num_kv_heads, head_dim))
+    for name, t in (("k", k), ("v", v), ("v_cache", v_cache)):
+        check_same_dtype(name, t, "k_cache", k_cache)
+    check_tensor("slot_mapping", slot_mapping, 1, (torch.int64, torch.int32), device)
+    check_shape("slot_mapping", slot_mapping, (num_tokens,))
+    if num_tokens == 0:
+        return
+    _write_kv_cache_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, H_PAD=triton.next_power_of_2(num_kv_heads),
+        D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, num_warps=4,
+    )

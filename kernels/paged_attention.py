@@ -1,0 +1,375 @@
+"""Paged attention for a varlen batch that mixes decode, prefill and chunked prefill.
+
+Layouts are those of `reference.py`: q/out (num_tokens, num_heads, head_dim); k_cache/v_cache
+(num_blocks, block_size, num_kv_heads, head_dim) with unit stride in head_dim (other strides are
+passed to the kernels); block_tables (num_seqs, max_blocks) int32; seq_lens (num_seqs,) int32;
+query_start_loc (num_seqs + 1,) int32. A sequence's query rows are its last q_len positions.
+
+Two kernels share the work, with no host synchronisation:
+* `_decode_kernel`, grid (num_seqs, num_kv_heads, num_splits): one program per sequence and KV
+  head packs the GQA group's query heads into the rows of one tile, so each K/V tile is read
+  once for the whole group ("GQA packing"). It walks the context in tiles of BLOCK_N tokens
+  gathered from several blocks (block ids looked up per token), online softmax in base 2. With
+  num_splits > 1 each program takes one slice of the context ("split-KV", flash-decoding) and
+  writes a partial output and its log-sum-exp; `_reduce_kernel` merges the slices.
+* `_prefill_kernel`, grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads): flash-attention
+  tiles with tl.dot. A tile's BLOCK_M rows are BLOCK_Q query tokens x the GQA group's heads
+  (row m -> token m // GROUP, head m % GROUP), so K/V tiles are shared by the group here too.
+  Sequence i owns the program ids starting at qsl[i] // BLOCK_Q + i (an upper bound on the tiles
+  it needs, found by binary search), so the grid is known from shapes alone.
+When num_tokens == num_seqs the batch is all decode (or holds empty sequences): only the decode
+kernel runs, and it loops over every query token of its sequence, so any q_len stays correct.
+Otherwise the decode kernel skips sequences with q_len != 1 and the prefill kernel takes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from kvpilot.kernels.checks import (
+    FLOAT_DTYPES,
+    check_contiguous,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+)
+
+LOG2E = 1.4426950408889634
+MAX_GROUP = 16
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int = 64  # context tokens per K/V tile (several cache blocks when block_size < it)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int = 128  # query rows per tile: (block_m // group) tokens x group heads
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _load_tile(ptrs, row_ok, d_ok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """(rows, D_PAD) tile; the head-dim mask is compiled in only when head_dim is padded."""
+    if MASK_ROWS:
+        if HEAD_DIM == D_PAD:
+            return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        return tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if HEAD_DIM == D_PAD:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _decode_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    scale_log2, handle_multi, split_size,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_pt, stride_ph, stride_ps,
+    GROUP: tl.constexpr, M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_end = tl.load(qsl_ptr + seq + 1)
+    if (handle_multi == 0) & (q_end - q_start != 1):
+        return
+    ctx = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, M)
+    row_ok = rows < GROUP
+    heads = kvh * GROUP + rows
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tok in range(q_start, q_end):
+        # this token sits at context position ctx - (q_end - tok) and sees keys 0..that position
+        kv_len = ctx - q_end + tok + 1
+        lo = split * split_size
+        hi = tl.minimum(lo + split_size, kv_len)
+        q = _load_tile(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                       row_ok, d_ok, HEAD_DIM, D_PAD, True)  # (M, D_PAD)
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D_PAD], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + offs_n
+            n_ok = n < hi
+            block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+            slot = n % BLOCK_SIZE
+            k = _load_tile(k_ptr + (block * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None]
+                           + d[None, :], n_ok, d_ok, HEAD_DIM, D_PAD, True)  # (BLOCK_N, D_PAD)
+            s = tl.dot(q, tl.trans(k)) * scale_log2  # (M, BLOCK_N)
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_tile(v_ptr + (block * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None]
+                           + d[None, :], n_ok, d_ok, HEAD_DIM, D_PAD, True)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        if SPLIT:
+            part = tok * stride_pt + heads * stride_ph + split * stride_ps  # (M,)
+            tl.store(part_out_ptr + part[:, None] + d[None, :], o,
+                     mask=row_ok[:, None] & d_ok[None, :])
+            lse = m_i + tl.log2(l_safe)  # -inf for an empty slice
+            # part_lse is part_out without its D_PAD axis, so its offset is part // D_PAD
+            tl.store(part_lse_ptr + part // D_PAD, lse, mask=row_ok)
+        else:
+            tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, qsl_ptr,
+    handle_multi, split_size, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """Merge the split-KV partial outputs of one (sequence, query head)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + seq)
+    q_end = tl.load(qsl_ptr + seq + 1)
+    if (handle_multi == 0) & (q_end - q_start != 1):
+        return
+    ctx = tl.load(seq_lens_ptr + seq)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    for tok in range(q_start, q_end):
+        kv_len = ctx - q_end + tok + 1
+        s_ok = s < tl.cdiv(kv_len, split_size)
+        part = tok * stride_pt + head * stride_ph + s * stride_ps  # (SPLITS_PAD,)
+        lse = tl.load(part_lse_ptr + part // D_PAD, mask=s_ok, other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, 0))
+        w = tl.where(s_ok, w, 0.0)
+        o = tl.load(part_out_ptr + part[:, None] + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(out_ptr + tok * stride_ot + head * stride_oh + d,
+                 o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _prefill_kernel(
+    out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    scale_log2, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    # the sequence owning this tile: the largest i with qsl[i] // BLOCK_Q + i <= pid
+    lo = num_seqs * 0
+    hi = num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(first <= pid, mid, lo)
+        hi = tl.where(first <= pid, hi, mid)
+    seq = lo
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    q0 = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query token of this tile
+    if (q_len <= 1) | (q0 >= q_len):
+        return
+    ctx = tl.load(seq_lens_ptr + seq)
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q0 + offs_m // GROUP
+    heads = kvh * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    pos = ctx - q_len + tok  # context position of each row's query
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64)
+    q = _load_tile(q_ptr + (q_rows * stride_qt + heads * stride_qh)[:, None] + d[None, :],
+                   row_ok, d_ok, HEAD_DIM, D_PAD, True)  # (BLOCK_M, D_PAD)
+    first_pos = ctx - q_len + q0
+    hi_n = ctx - q_len + tl.minimum(q0 + BLOCK_Q, q_len)  # keys past the tile's last query: masked
+    full_n = (first_pos + 1) // BLOCK_N * BLOCK_N  # tiles every row of this tile sees entirely
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for start in range(0, full_n, BLOCK_N):
+        n = start + offs_n
+        block = tl.load(table + n // BLOCK_SIZE).to(tl.int64)
+        slot = n % BLOCK_SIZE
+        k = _load_tile(k_ptr + (block * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None]
+                       + d[None, :], n, d_ok, HEAD_DIM, D_PAD, False)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_ptr + (block * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None]
+                       + d[None, :], n, d_ok, HEAD_DIM, D_PAD, False)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    for start in range(full_n, hi_n, BLOCK_N):
+        n = start + offs_n
+        n_ok = n < hi_n
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = n % BLOCK_SIZE
+        k = _load_tile(k_ptr + (block * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None]
+                       + d[None, :], n_ok, d_ok, HEAD_DIM, D_PAD, True)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_ptr + (block * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None]
+                       + d[None, :], n_ok, d_ok, HEAD_DIM, D_PAD, True)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + (q_rows * stride_ot + heads * stride_oh)[:, None] + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Split the context only when the (sequence, KV head) programs cannot fill the chip."""
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    programs = num_seqs * num_kv_heads
+    if programs >= 2 * sms:
+        return 1
+    by_occupancy = triton.cdiv(4 * sms, programs)
+    by_length = triton.cdiv(max_context, 512)  # keep each slice long enough to stream
+    return max(1, min(by_occupancy, by_length, 64))
+
+
+def _check(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+) -> None:
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES, q.device)
+    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES, q.device)
+    check_same_dtype("k_cache", k_cache, "q", q)
+    check_same_dtype("v_cache", v_cache, "q", q)
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"k_cache head_dim {cache_head_dim} differs from q head_dim {head_dim}")
+    if head_dim > MAX_HEAD_DIM or head_dim % 8:
+        raise ValueError(f"head_dim must be a multiple of 8 up to {MAX_HEAD_DIM}, got {head_dim}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of 2, got {block_size}")
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                         f"({num_kv_heads}) at most {MAX_GROUP} times larger")
+    check_tensor("block_tables", block_tables, 2, (torch.int32,), q.device)
+    num_seqs = block_tables.shape[0]
+    check_tensor("seq_lens", seq_lens, 1, (torch.int32,), q.device)
+    check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,), q.device)
+    check_shape("seq_lens", seq_lens, (num_seqs,))
+    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    check_contiguous("seq_lens", seq_lens)
+    check_contiguous("query_start_loc", query_start_loc)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole cached context."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    return paged_attention_with(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def paged_attention_with(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+    num_splits: int | None = None, decode: DecodeConfig | None = None,
+    prefill: PrefillConfig | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_attention` without the argument checks and with the tuning knobs exposed
+    (benchmarks and tests pick them, tests pass a poisoned `out`; the engine takes defaults)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = block_tables.shape[0]
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    scale_log2 = scale * LOG2E
+    interp = _interpreting()
+    decode = decode or (DecodeConfig(block_n=16, num_stages=1) if interp else DecodeConfig())
+    prefill = prefill or (PrefillConfig(block_m=32, block_n=16, num_stages=1) if interp
+                          else PrefillConfig(block_m=64 if head_dim > 128 else 128))
+    cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
+    all_decode = num_tokens == num_seqs
+    max_context = block_tables.shape[1] * block_size  # an upper bound known without a sync
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, q.device)
+    split_size = triton.cdiv(triton.cdiv(max_context, num_splits), decode.block_n) * decode.block_n
+    num_splits = triton.cdiv(max_context, split_size)
+    if num_splits > 1:
+        part_out = torch.empty((num_tokens, num_heads, num_splits, d_pad), dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
+                               device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out, part_out, part_lse, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        scale_log2, int(all_decode), split_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
+        num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
+        GROUP=group, M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=decode.block_n, SPLIT=num_splits > 1,
+        num_warps=decode.num_warps, num_stages=decode.num_stages,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, seq_lens, query_start_loc, int(all_decode), split_size,
+            out.stride(0), out.stride(1), num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
+            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    if not all_decode:
+        block_q = prefill.block_m // group
+        _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
+            out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale_log2, num_seqs,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
+            GROUP=group, BLOCK_M=prefill.block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, D_PAD=d_pad,
+            BLOCK_SIZE=block_size, BLOCK_N=prefill.block_n,
+            num_warps=prefill.num_warps, num_stages=prefill.num_stages,
+        )
+    return out
+
