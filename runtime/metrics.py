@@ -9,11 +9,10 @@ from __future__ import annotations
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
 from kvpilot.runtime.async_engine import EngineSnapshot
 from kvpilot.runtime.engine import LLMEngine, StepStats
 from kvpilot.runtime.outputs import RequestOutput
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +94,6 @@ class ServerMetrics:
             self._interval_steps += 1
             self._interval_time += stats.duration_s
             self.iteration_time.labels(name).observe(stats.duration_s)
-            self.prompt_tokens.labels(name).inc(stats.num_prompt_tokens)
             self.generation_tokens.labels(name).inc(stats.num_generation_tokens)
             if stats.num_preemptions:
                 mode = engine.config.scheduler.preemption_mode
@@ -129,6 +127,7 @@ class ServerMetrics:
             previous = self._last_token_time.get(out.request_id)
             if previous is None and m.first_token_time is not None:
                 self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
+                self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
             elif previous is not None and m.last_token_time > previous:
                 self.itl.labels(name).observe(m.last_token_time - previous)
             self._last_token_time[out.request_id] = m.last_token_time

@@ -18,7 +18,6 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-
 from kvpilot.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from kvpilot.runtime.engine import RequestError
 from kvpilot.runtime.outputs import CompletionOutput, RequestOutput, SampleLogprobs
@@ -58,7 +57,7 @@ class OpenAIServing:
         top = body.top_logprobs or 0
         return await self._serve(request_id, prompt, params, raw, body.stream, body.include_usage,
                                  body.stream_options is not None and body.stream_options.continuous_usage_stats,
-                                 "chat.completion", lambda c, sent, _: self._chat_choice(c, sent, top, body.stream))
+                                 "chat.completion", lambda c, chars, tokens: self._chat_choice(c, chars, tokens, top, body.stream))
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)

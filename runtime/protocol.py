@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from kvpilot.runtime.sampling_params import SamplingParams
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class APIError(Exception):

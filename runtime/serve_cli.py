@@ -1,0 +1,64 @@
+"""`kvpilot serve`: the engine flags plus the server's own; bad values fail with one line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from kvpilot.runtime.args import add_engine_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: env KVPILOT_API_KEY)")
+    g.add_argument("--admin-token", default=None,
+                   help="token for /admin/config and /reload (default: env KVPILOT_ADMIN_TOKEN); unset disables them")
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    g.add_argument("--metric-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between stats lines in the log")
+    g.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long admitted requests may take to finish before they are aborted")
+    g.add_argument("--allowed-model-root", default=None, help="the folder /reload may load models from")
+    g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvpilot.runtime.args import EngineArgs
+    from kvpilot.runtime.model_source import ModelSourceError
+    from kvpilot.runtime.server import ServerConfig
+
+    try:
+        server_config = ServerConfig(
+            host=args.host, port=args.port,
+            api_key=args.api_key or os.environ.get("KVPILOT_API_KEY") or None,
+            admin_token=args.admin_token or os.environ.get("KVPILOT_ADMIN_TOKEN") or None,
+            max_queue_len=args.max_queue_len, disable_log_stats=args.disable_log_stats,
+            metric_interval=args.metric_interval, drain_timeout=args.drain_timeout,
+            allowed_model_root=args.allowed_model_root,
+        )
+        engine_config = EngineArgs.from_cli(args).create_engine_config()
+    except (ValueError, ModelSourceError) as e:
+        print(f"kvpilot serve: error: {_as_flag(str(e))}", file=sys.stderr)
+        return 2
+
+    from kvpilot.runtime.engine import LLMEngine
+    from kvpilot.runtime.server import make_server
+
+    server = make_server(LLMEngine(engine_config), server_config, log_level=args.log_level)
+    server.run()
+    return 0
+
+
+def _as_flag(message: str) -> str:
+    """'max_model_len: ...' -> '--max-model-len: ...', so the line names the flag a user typed."""
+    head, sep, rest = message.partition(":")
+    if sep and head.isidentifier():
+        return f"--{head.replace('_', '-')}:{rest}"
+    return message

@@ -1,0 +1,353 @@
+"""The HTTP server of `kvpilot serve`: FastAPI routes over an `AsyncEngine`.
+
+Routes and their contract are in ARCHITECTURE.md ("HTTP contract"); the OpenAI endpoints'
+logic lives in openai_serving.py. Every error a client can cause leaves through one place,
+`_error_response`, as OpenAI's error JSON (docs/errors.md lists them).
+
+*Draining* (SIGTERM): new requests get 503 and `/ready` turns false while admitted requests
+finish, bounded by `drain_timeout`; then whatever is left is aborted and uvicorn exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from kvpilot.runtime.async_engine import AsyncEngine
+from kvpilot.runtime.engine import LLMEngine
+from kvpilot.runtime.metrics import ServerMetrics
+from kvpilot.runtime.openai_serving import OpenAIServing
+from kvpilot.runtime.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+KV_USAGE_WARN = 0.9  # /health says "warn" above this KV-cache usage
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    admin_token: str | None = None
+    max_queue_len: int | None = None
+    disable_log_stats: bool = False
+    metric_interval: float = 10.0
+    drain_timeout: float = 30.0
+    allowed_model_root: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port: must be in 1..65535, not {self.port}")
+        if self.metric_interval <= 0:
+            raise ValueError(f"metric_interval: must be positive, not {self.metric_interval}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout: must be >= 0, not {self.drain_timeout}")
+
+
+class ServerState:
+    """What the routes share: the engine front, metrics, and the draining flag."""
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+        self.config = config
+        self.model_name = engine.config.model.served_model_name
+        self.max_model_len = engine.config.model.max_model_len
+        self.device = engine.config.device.device
+        self.metrics = ServerMetrics(self.model_name)
+        self.engine = AsyncEngine(engine, max_queue_len=config.max_queue_len, on_step=self.metrics.record)
+        self.serving = OpenAIServing(self.engine, engine.tokenizer, self.model_name, lambda: self.draining)
+        self.draining = False
+        self.started = False
+
+    async def drain(self) -> None:
+        """Stop admitting; let admitted requests finish within the grace period; abort the rest."""
+        self.draining = True
+        logger.info("draining: %d requests in flight, up to %.0f s", self.engine.num_pending_requests,
+                    self.config.drain_timeout)
+        if not await self.engine.wait_idle(self.config.drain_timeout):
+            logger.warning("drain timeout: aborting %d requests", self.engine.num_pending_requests)
+            self.engine.abort_all()
+        logger.info("drained")
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        state.started = True
+        log_task = None if state.config.disable_log_stats else asyncio.create_task(_log_stats(state))
+        try:
+            yield
+        finally:
+            if log_task is not None:
+                log_task.cancel()
+            state.engine.abort_all()
+            await state.engine.stop()
+
+    app = FastAPI(title="kvpilot", lifespan=lifespan)
+    app.state.kvpilot = state
+    _add_error_handlers(app)
+    _add_openai_routes(app, state)
+    _add_ops_routes(app, state)
+    _add_admin_routes(app, state)
+    return app
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+def _error_response(error: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        # FastAPI answers 422; OpenAI (and the contract) say 400 for any invalid body
+        first = error.errors()[0] if error.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+            return _error_response(APIError(400, message, code="invalid_json"))
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", error))
+        return _error_response(APIError(400, message, param=param, code="invalid_value"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(error.status_code, "invalid_request_error")
+        return _error_response(APIError(error.status_code, str(error.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return _error_response(APIError(500, f"internal server error: {error!r}", type="internal_error"))
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _check_token(request: Request, expected: str, what: str) -> None:
+    token = _bearer(request)
+    if token is None or not hmac.compare_digest(token.encode(), expected.encode()):
+        raise APIError(401, f"missing or wrong {what}: send 'Authorization: Bearer <{what}>'",
+                       type="authentication_error", code="invalid_api_key")
+
+
+# ---- routes ----------------------------------------------------------------------------------
+
+def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
+    def authorize(request: Request) -> None:
+        if state.config.api_key is not None:
+            _check_token(request, state.config.api_key, "api key")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        authorize(request)
+        return await state.serving.chat(body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        authorize(request)
+        return await state.serving.completions(body, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        authorize(request)
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "kvpilot",
+            "root": state.model_name, "max_model_len": state.max_model_len,
+        }]}
+
+
+def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        snap = state.engine.snapshot
+        body: dict[str, Any] = {
+            "status": "healthy",
+            "pending_requests": state.engine.num_pending_requests,
+            "running_seqs": snap.num_running_seqs,
+            "waiting_seqs": snap.num_waiting_seqs,
+            "kv_cache_usage": round(snap.kv_cache_usage, 4),
+            "num_free_blocks": snap.num_free_blocks,
+            "num_blocks": snap.num_blocks,
+            "draining": state.draining,
+            "device": _device_memory(state.device),
+        }
+        if not state.engine.is_alive:
+            body["status"] = "error"
+            body["message"] = f"the engine loop is not running: {state.engine.error!r}"
+            return JSONResponse(body, status_code=500)
+        warnings = []
+        if snap.kv_cache_usage > KV_USAGE_WARN:
+            warnings.append(f"KV cache {snap.kv_cache_usage:.0%} full: requests may be preempted")
+        limit = state.config.max_queue_len
+        if limit is not None and snap.num_waiting_seqs >= 0.8 * limit:
+            warnings.append(f"queue nearly full ({snap.num_waiting_seqs} of {limit} waiting)")
+        if warnings:
+            body["status"] = "warn"
+            body["message"] = "; ".join(warnings)
+        return JSONResponse(body)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if state.draining:
+            return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
+        if not state.engine.is_alive:
+            return JSONResponse({"ready": False, "reason": "engine not running"}, status_code=503)
+        return JSONResponse({"ready": True, "model": state.model_name})
+
+    @app.get("/version")
+    async def version_() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.expose(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _add_admin_routes(app: FastAPI, state: ServerState) -> None:
+    def authorize(request: Request) -> None:
+        token = state.config.admin_token
+        if token is None:
+            raise APIError(404, "admin endpoints are disabled: start the server with --admin-token "
+                           "(or KVPILOT_ADMIN_TOKEN)", type="not_found_error")
+        _check_token(request, token, "admin token")
+
+    @app.get("/admin/config")
+    async def get_config(request: Request) -> dict[str, Any]:
+        authorize(request)
+        return await state.engine.call(_live_config)
+
+    @app.post("/admin/config")
+    async def post_config(request: Request) -> dict[str, Any]:
+        authorize(request)
+        try:
+            changes = await request.json()
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        if not isinstance(changes, dict) or not changes:
+            raise APIError(400, "send a JSON object of tunables, e.g. {\"block_size\": 32}")
+        started = time.perf_counter()
+        try:
+            applied = await state.engine.call(lambda engine: engine.update_config(changes))
+        except ValueError as e:
+            message = str(e)
+            head = message.partition(":")[0]
+            raise APIError(400, message, param=head if head.isidentifier() else None) from None
+        duration = time.perf_counter() - started
+        if applied:
+            state.metrics.record_config_change()
+        config = await state.engine.call(_live_config)
+        return {"applied": applied, "duration_s": round(duration, 6), "config": config}
+
+    @app.post("/reload")
+    async def reload(request: Request) -> Response:
+        authorize(request)
+        raise APIError(501, "hot-swapping the model is not implemented yet: roll the deployment out with the "
+                       "new model instead", type="not_implemented_error", code="not_implemented")
+
+
+def _live_config(engine: LLMEngine) -> dict[str, Any]:
+    c = engine.config
+    return {"block_size": c.cache.block_size, "preemption_mode": c.scheduler.preemption_mode,
+            "scheduler_policy": c.scheduler.policy, "max_num_seqs": c.scheduler.max_num_seqs,
+            "max_num_batched_tokens": c.scheduler.max_num_batched_tokens,
+            "max_model_len": c.model.max_model_len, "num_blocks": engine.block_manager.num_blocks}
+
+
+def _device_memory(device: str) -> dict[str, Any]:
+    if device == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return {"type": "cuda", "name": torch.cuda.get_device_name(), "memory_used_bytes": total - free,
+                "memory_total_bytes": total, "memory_allocated_bytes": torch.cuda.memory_allocated()}
+    rss = 0
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"type": "cpu", "process_rss_bytes": rss, "memory_total_bytes": total}
+
+
+def _version() -> str:
+    try:
+        return version("kvpilot")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+async def _log_stats(state: ServerState) -> None:
+    interval = state.config.metric_interval
+    while True:
+        await asyncio.sleep(interval)
+        steps, seconds = state.metrics.take_interval()
+        snap = state.engine.snapshot
+        if not steps and not snap.num_requests:
+            continue  # idle: nothing worth a line
+        mean_ms = 1000 * seconds / steps if steps else 0.0
+        logger.info("iteration %.1f ms (mean of %d steps), running %d seqs, waiting %d seqs, KV cache %.1f%%",
+                    mean_ms, steps, snap.num_running_seqs, snap.num_waiting_seqs, 100 * snap.kv_cache_usage)
+
+
+# ---- running it ------------------------------------------------------------------------------
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains before exiting; a second one exits at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._drain_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_task is not None or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        logger.info("received %s: draining", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        async def drain_then_exit() -> None:
+            await self.state.drain()
+            self.should_exit = True
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(drain_then_exit())
+
+
+def make_server(engine: LLMEngine, config: ServerConfig, log_level: str = "info") -> DrainingServer:
+    state = ServerState(engine, config)
+    uv_config = uvicorn.Config(build_app(state), host=config.host, port=config.port, log_level=log_level,
+                               timeout_graceful_shutdown=max(1, int(config.drain_timeout)))
+    return DrainingServer(uv_config, state)
