@@ -1,0 +1,55 @@
+"""The sampler on fixed logits: each filter keeps exactly the tokens it should, and sampling
+follows the filtered distribution."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpilot.runtime.sampler import SamplingRow, sample
+from kvpilot.runtime.sampling_params import SamplingParams
+
+LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
+
+
+def draw(params: SamplingParams, n: int = 4000, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    row = SamplingRow(params=params, token_ids=[0], num_prompt_tokens=1, generator=gen, eos_token_ids=set())
+    counts = torch.zeros(LOGITS.shape[1])
+    for _ in range(n):
+        counts[sample(LOGITS.clone(), [row]).token_ids[0]] += 1
+    return counts / n
+
+
+def test_temperature_one_follows_the_distribution() -> None:
+    freq = draw(SamplingParams(temperature=1.0))
+    assert torch.allclose(freq, LOGITS.exp()[0], atol=0.03)
+
+
+def test_top_k_keeps_the_k_most_likely() -> None:
+    freq = draw(SamplingParams(temperature=1.0, top_k=2))
+    assert freq[2:].sum() == 0
+    assert abs(freq[0].item() - 2 / 3) < 0.03
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    freq = draw(SamplingParams(temperature=1.0, top_p=0.8))  # 0.5 + 0.25 < 0.8 <= 0.9
+    assert (freq[:3] > 0).all() and freq[3:].sum() == 0
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best() -> None:
+    freq = draw(SamplingParams(temperature=1.0, min_p=0.2))  # threshold 0.1
+    assert (freq[:3] > 0).all() and freq[3:].sum() == 0
+
+
+def test_low_temperature_sharpens() -> None:
+    assert draw(SamplingParams(temperature=0.1), n=500)[0] > 0.99
+
+
+def test_greedy_and_logprobs_of_the_raw_distribution() -> None:
+    row = SamplingRow(params=SamplingParams(temperature=0, logprobs=2, repetition_penalty=5.0),
+                      token_ids=[0], num_prompt_tokens=1, generator=None, eos_token_ids=set())
+    result = sample(LOGITS.clone(), [row])
+    assert result.token_ids == [1]  # the penalty on token 0 (seen in the prompt) flips the argmax
+    value, rank, top = result.logprobs[0]
+    assert abs(value - LOGITS[0, 1].item()) < 1e-6 and rank == 2  # logprobs ignore the penalty
+    assert [t for t, _ in top] == [0, 1]
