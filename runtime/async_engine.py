@@ -210,6 +210,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            self._publish([], None)
             while True:
                 if not self._apply_commands(block=not self.engine.has_unfinished_requests()):
                     return

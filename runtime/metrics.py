@@ -60,11 +60,17 @@ class ServerMetrics:
         self.preemptions_by_mode = Counter("kvpilot_preemptions", "Preemptions by mode.", m + ["mode"], registry=r)
         self.swap_bytes = Counter("kvpilot_swap_bytes", "Bytes of KV cache swapped, by direction.", m + ["direction"], registry=r)
         self.config_changes = Counter("kvpilot_config_changes", "Live configuration changes applied.", m, registry=r)
+        # every series exists from the start, so scrapers and rate() see zeros, not gaps
+        for metric in (self.running, self.waiting, self.kv_usage_perc, self.preemptions, self.prompt_tokens,
+                       self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time,
+                       self.prefix_queries, self.prefix_hits, self.iteration_time, self.num_running_seqs,
+                       self.num_waiting_seqs, self.num_swapped_seqs, self.kv_usage_ratio, self.block_size,
+                       self.config_changes):
+            metric.labels(model_name)
         for direction in ("in", "out"):
             self.swap_bytes.labels(model_name, direction)
         for mode in PREEMPTION_MODES:
             self.preemptions_by_mode.labels(model_name, mode)
-        self.config_changes.labels(model_name)
         self._cache_info_labels: tuple[str, ...] | None = None
         self._last_token_time: dict[str, float] = {}
         # for the periodic log line; reset by `take_interval`

@@ -1,0 +1,182 @@
+"""The operational side of `kvpilot serve`: health, readiness, metrics, aborts, the queue limit
+and live re-configuration."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_harness import RunningServer, start_server
+
+ADMIN = "admin-secret"
+MODEL = "SmolLM2-135M-Instruct"
+LONG = {"model": MODEL, "prompt": "Count to one hundred:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def server(smol_folder: str) -> Iterator[RunningServer]:
+    running = start_server({"max_model_len": 1024, "max_num_seqs": 2}, admin_token=ADMIN, max_queue_len=2)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def _metrics(server: RunningServer) -> dict[str, float]:
+    """sample name + sorted labels except model_name -> value"""
+    text = httpx.get(f"{server.base_url}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            assert s.labels.get("model_name") == MODEL, s
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def _idle(server: RunningServer) -> bool:
+    h = server.health()
+    return h["pending_requests"] == 0 and h["num_free_blocks"] == h["num_blocks"]
+
+
+def _open_stream(stack: ExitStack, http: httpx.Client, body: dict[str, Any]) -> Iterator[str]:
+    response = stack.enter_context(http.stream("POST", "/v1/completions", json=body))
+    assert response.status_code == 200
+    return response.iter_lines()
+
+
+def test_health_ready_and_version(server: RunningServer) -> None:
+    health = server.health()
+    assert health["status"] == "healthy"
+    assert health["pending_requests"] == 0 and health["kv_cache_usage"] == 0.0
+    assert health["device"]["type"] in ("cpu", "cuda")
+    assert httpx.get(f"{server.base_url}/ready").status_code == 200
+    assert httpx.get(f"{server.base_url}/version").json()["version"]
+
+
+def test_metrics_has_both_families_and_moves_as_requests_run(server: RunningServer, client: openai.OpenAI) -> None:
+    before = _metrics(server)
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "kvpilot_num_running_seqs", "kvpilot_num_waiting_seqs", "kvpilot_num_swapped_seqs",
+                 "kvpilot_kv_cache_usage_ratio", "kvpilot_block_size", "kvpilot_config_changes_total",
+                 "kvpilot_preemption_mode{mode=recompute}", "kvpilot_preemptions_total{mode=swap}",
+                 "kvpilot_swap_bytes_total{direction=in}", "kvpilot_iteration_time_seconds_count",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count"]:
+        assert name in before, name
+    assert any(k.startswith("vllm:cache_config_info{block_size=16") for k in before)
+    assert before["kvpilot_block_size"] == 16 and before["kvpilot_preemption_mode{mode=recompute}"] == 1
+
+    reply = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5)
+    after = _metrics(server)
+    assert reply.usage is not None
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 5
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == reply.usage.prompt_tokens
+    assert after["vllm:request_success_total{finished_reason=length}"] \
+        - before.get("vllm:request_success_total{finished_reason=length}", 0) == 1
+    assert after["vllm:e2e_request_latency_seconds_count"] - before["vllm:e2e_request_latency_seconds_count"] == 1
+    assert after["kvpilot_iteration_time_seconds_count"] - before["kvpilot_iteration_time_seconds_count"] >= 5
+
+
+def test_running_request_shows_in_gauges(server: RunningServer) -> None:
+    with ExitStack() as stack, httpx.Client(base_url=server.base_url, timeout=60) as http:
+        lines = _open_stream(stack, http, LONG)
+        next(line for line in lines if line.startswith("data:"))
+        m = _metrics(server)
+        assert m["vllm:num_requests_running"] == 1 and m["kvpilot_num_running_seqs"] == 1
+        assert m["vllm:kv_cache_usage_perc"] > 0
+        assert server.health()["pending_requests"] == 1
+    server.wait_until(lambda: _idle(server), what="idle")
+
+
+def test_client_disconnect_mid_stream_frees_blocks(server: RunningServer) -> None:
+    with ExitStack() as stack, httpx.Client(base_url=server.base_url, timeout=60) as http:
+        lines = _open_stream(stack, http, LONG)
+        for _ in range(3):
+            next(line for line in lines if line.startswith("data:"))
+        assert server.health()["num_free_blocks"] < server.health()["num_blocks"]
+    # the stream is closed: the request is aborted and its blocks return at once
+    server.wait_until(lambda: _idle(server), timeout=5, what="blocks freed after disconnect")
+    assert _metrics(server)["vllm:num_requests_running"] == 0
+
+
+def test_client_timeout_on_non_streaming_request_frees_blocks(server: RunningServer) -> None:
+    body = {**LONG, "stream": False}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=1.0)
+    server.wait_until(lambda: _idle(server), timeout=5, what="blocks freed after client timeout")
+
+
+def test_full_queue_answers_429(server: RunningServer, client: openai.OpenAI) -> None:
+    # max_num_seqs=2 run, max_queue_len=2 wait; the fifth request finds the queue full
+    with ExitStack() as stack, httpx.Client(base_url=server.base_url, timeout=60) as http:
+        running = [_open_stream(stack, http, LONG) for _ in range(2)]
+        for lines in running:
+            next(line for line in lines if line.startswith("data:"))
+        for _ in range(2):  # a stream's headers arrive once the request is admitted
+            _open_stream(stack, http, LONG)
+        server.wait_until(lambda: server.health()["waiting_seqs"] == 2, what="two waiting")
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        assert info.value.code == "queue_full"
+    server.wait_until(lambda: _idle(server), timeout=5, what="idle after aborting the queue")
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices
+
+
+def _admin(server: RunningServer, method: str, body: Any = None, token: str | None = ADMIN) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.request(method, f"{server.base_url}/admin/config", json=body, headers=headers, timeout=60)
+
+
+def test_admin_config_requires_the_token(server: RunningServer) -> None:
+    assert _admin(server, "GET", token=None).status_code == 401
+    assert _admin(server, "POST", {"max_num_seqs": 3}, token="wrong").status_code == 401
+    config = _admin(server, "GET").json()
+    assert config["block_size"] == 16 and config["preemption_mode"] == "recompute"
+
+
+def test_admin_config_rejects_bad_values(server: RunningServer) -> None:
+    response = _admin(server, "POST", {"block_size": 12})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "block_size"
+    assert _admin(server, "POST", {"max_model_len": 12}).status_code == 400
+
+
+def test_live_block_size_change_keeps_a_running_request(server: RunningServer, client: openai.OpenAI) -> None:
+    body = {"model": MODEL, "prompt": "The capital of France is", "temperature": 0, "max_tokens": 24,
+            "ignore_eos": True}
+    expected = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    before = _metrics(server)["kvpilot_config_changes_total"]
+    with ExitStack() as stack, httpx.Client(base_url=server.base_url, timeout=60) as http:
+        lines = _open_stream(stack, http, {**body, "stream": True})
+        chunks = [next(line for line in lines if line.startswith("data:")) for _ in range(3)]
+        reply = _admin(server, "POST", {"block_size": 32, "max_num_seqs": 3, "scheduler_policy": "fcfs"})
+        assert reply.status_code == 200, reply.text
+        applied = reply.json()
+        assert applied["applied"]["block_size"] == {"old": 16, "new": 32}
+        assert applied["applied"]["max_num_seqs"] == {"old": 2, "new": 3}
+        assert "scheduler_policy" not in applied["applied"]  # unchanged
+        assert applied["duration_s"] >= 0 and applied["config"]["block_size"] == 32
+        chunks += [line for line in lines if line.startswith("data:")]
+    text = "".join(json.loads(c[5:])["choices"][0]["text"] for c in chunks if c != "data: [DONE]"
+                   and json.loads(c[5:])["choices"])
+    assert text == expected
+    after = _metrics(server)
+    assert after["kvpilot_block_size"] == 32 and after["kvpilot_config_changes_total"] == before + 1
+    assert _admin(server, "POST", {"block_size": 16, "max_num_seqs": 2}).status_code == 200
+
+
+def test_reload_is_not_implemented_yet(server: RunningServer) -> None:
+    response = httpx.post(f"{server.base_url}/reload", json={"model_path": "/x"},
+                          headers={"Authorization": f"Bearer {ADMIN}"})
+    assert response.status_code == 501 and "not implemented" in response.json()["error"]["message"]
