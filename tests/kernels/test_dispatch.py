@@ -1,0 +1,37 @@
+"""ops.select routes CPU tensors to the reference and CUDA (or KVPILOT_KERNELS=triton) to Triton."""
+
+from __future__ import annotations
+
+import pytest
+from kvpilot.kernels import ops, reference, triton_ops
+
+
+def test_cpu_uses_reference_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPILOT_KERNELS", raising=False)
+    assert ops.select("cpu") is reference
+
+
+def test_cuda_uses_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPILOT_KERNELS", raising=False)
+    assert ops.select("cuda") is triton_ops
+
+
+def test_env_forces_triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPILOT_KERNELS", "triton")
+    assert ops.select("cpu") is triton_ops
+
+
+def test_env_forces_reference_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPILOT_KERNELS", "reference")
+    assert ops.select("cuda") is reference
+
+
+def test_unknown_env_value_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPILOT_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="KVPILOT_KERNELS"):
+        ops.select("cpu")
+
+
+def test_triton_ops_defines_every_op() -> None:
+    for name in ("paged_attention", "write_kv_cache", "rms_norm", "fused_add_rms_norm", "rotary_embedding"):
+        assert callable(getattr(triton_ops, name))

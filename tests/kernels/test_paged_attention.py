@@ -1,0 +1,224 @@
+"""paged_attention: the Triton kernels equal the reference, and the reference equals float64
+dense attention, over ragged decode/prefill/chunked-prefill batches with shuffled block tables."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kvpilot.kernels import reference
+from kvpilot.kernels.paged_attention import paged_attention, paged_attention_with
+
+# (context length, new tokens) per sequence
+DECODE = [(37, 1), (5, 1), (64, 1), (1, 1)]
+MIXED = [(37, 5), (20, 1), (19, 19), (70, 1), (33, 16)]
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def make_batch(
+    specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
+    block_size: int, dtype: torch.dtype, device: torch.device | str, poison_unused: bool = False,
+) -> Batch:
+    """Random q and caches; each sequence's blocks are drawn in random order from a shuffled pool
+    with spare blocks. With poison_unused, every cache slot outside a context is NaN."""
+    blocks_per_seq = [-(-ctx // block_size) for ctx, _ in specs]
+    num_blocks = sum(blocks_per_seq) + 3
+    pool = torch.randperm(num_blocks)
+    tables = torch.full((len(specs), max(max(blocks_per_seq), 1) + 1), num_blocks - 1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = pool[used:used + n]
+        used += n
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    if poison_unused:
+        live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+        for i, (ctx, _) in enumerate(specs):
+            slots = tables[i, :blocks_per_seq[i]].long()[:, None] * block_size + torch.arange(block_size)
+            live[slots.flatten()[:ctx]] = True
+        for cache in (k_cache, v_cache):
+            cache.view(-1, num_kv_heads, head_dim)[~live] = float("nan")
+    num_tokens = sum(q_len for _, q_len in specs)
+    q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype)
+    qsl = torch.tensor([0] + [q_len for _, q_len in specs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    seq_lens = torch.tensor([ctx for ctx, _ in specs], dtype=torch.int32)
+    return tuple(t.to(device) for t in (q, k_cache, v_cache, tables, seq_lens, qsl))  # type: ignore[return-value]
+
+
+def dense_float64(batch: Batch, scale: float) -> torch.Tensor:
+    """Per-sequence dense causal attention in float64, written independently of the reference."""
+    q, k_cache, v_cache, tables, seq_lens, qsl = (t.cpu() for t in batch)
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i, ctx in enumerate(seq_lens.tolist()):
+        rows = range(qsl[i].item(), qsl[i + 1].item())
+        slots = torch.arange(ctx)
+        blocks = tables[i].long()[slots // k_cache.shape[1]]
+        k = k_cache[blocks, slots % k_cache.shape[1]].double().repeat_interleave(group, 1)  # (ctx, H, D)
+        v = v_cache[blocks, slots % k_cache.shape[1]].double().repeat_interleave(group, 1)
+        for r, row in enumerate(rows):
+            pos = ctx - len(rows) + r
+            s = torch.einsum("hd,nhd->hn", q[row].double(), k[:pos + 1]) * scale
+            out[row] = torch.einsum("hn,nhd->hd", s.softmax(-1), v[:pos + 1])
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "output holds NaN (an element was not written or read garbage)"
+    return ((out.double() - ref.double().to(out.device)).norm() / ref.double().norm()).item()
+
+
+def tolerance(dtype: torch.dtype, device: torch.device) -> float:
+    if dtype == torch.float32:
+        return 1e-5 if device.type == "cpu" else 2e-3  # tf32 dots on the GPU
+    return 3e-3 if dtype == torch.float16 else 1.5e-2
+
+
+def run_triton(batch: Batch, scale: float, **kwargs: object) -> torch.Tensor:
+    poisoned = torch.full_like(batch[0], float("nan"))
+    return paged_attention_with(*batch, scale, out=poisoned, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_reference_equals_float64_dense(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int) -> None:
+    batch = make_batch(specs, num_heads, num_kv_heads, 64, 16, torch.float32, "cpu")
+    out = reference.paged_attention(*batch, 0.125)
+    assert rel_err(out, dense_float64(batch, 0.125)) < 1e-5
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_every_block_size_matches_reference(
+    block_size: int, specs: list[tuple[int, int]], device: torch.device
+) -> None:
+    batch = make_batch(specs, 8, 2, 64, block_size, torch.float32, device)
+    out = run_triton(batch, 0.125)
+    assert rel_err(out, reference.paged_attention(*batch, 0.125)) < tolerance(torch.float32, device)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (12, 3), (16, 1)])
+@pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_gqa_ratios_match_reference(
+    num_heads: int, num_kv_heads: int, specs: list[tuple[int, int]], device: torch.device
+) -> None:
+    batch = make_batch(specs, num_heads, num_kv_heads, 64, 16, torch.float32, device)
+    out = run_triton(batch, 0.125)
+    assert rel_err(out, reference.paged_attention(*batch, 0.125)) < tolerance(torch.float32, device)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_head_dims_match_reference(head_dim: int, device: torch.device) -> None:
+    batch = make_batch(MIXED, 4, 2, head_dim, 16, torch.float32, device)
+    scale = head_dim ** -0.5
+    out = run_triton(batch, scale)
+    assert rel_err(out, reference.paged_attention(*batch, scale)) < tolerance(torch.float32, device)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_split_kv_matches_reference(num_splits: int, specs: list[tuple[int, int]], device: torch.device) -> None:
+    batch = make_batch(specs, 6, 2, 80, 8, torch.float32, device)
+    out = run_triton(batch, 0.1, num_splits=num_splits)
+    assert rel_err(out, reference.paged_attention(*batch, 0.1)) < tolerance(torch.float32, device)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_all_decode_shape_with_empty_sequence_handles_multi_token_rows(num_splits: int, device: torch.device) -> None:
+    # as many tokens as sequences, yet one sequence has none and another has two
+    specs = [(10, 2), (7, 0), (9, 1)]
+    batch = make_batch(specs, 4, 2, 64, 8, torch.float32, device)
+    out = run_triton(batch, 0.125, num_splits=num_splits)
+    assert rel_err(out, reference.paged_attention(*batch, 0.125)) < tolerance(torch.float32, device)
+
+
+@pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_slots_outside_contexts_are_never_read(specs: list[tuple[int, int]], device: torch.device) -> None:
+    batch = make_batch(specs, 8, 2, 64, 16, torch.float32, device, poison_unused=True)
+    out = run_triton(batch, 0.125, num_splits=2)
+    assert rel_err(out, dense_float64(batch, 0.125)) < tolerance(torch.float32, device)
+
+
+def test_float16_matches_reference(device: torch.device) -> None:
+    batch = make_batch(MIXED, 8, 2, 64, 16, torch.float16, device)
+    out = paged_attention(*batch, 0.125)
+    assert out.dtype == torch.float16
+    assert rel_err(out, reference.paged_attention(*batch, 0.125)) < tolerance(torch.float16, device)
+
+
+def test_long_prefill_spans_many_tiles(device: torch.device) -> None:
+    batch = make_batch([(150, 150), (140, 60)], 4, 2, 64, 16, torch.float32, device)
+    out = run_triton(batch, 0.125)
+    assert rel_err(out, reference.paged_attention(*batch, 0.125)) < tolerance(torch.float32, device)
+
+
+def test_empty_batch_returns_empty() -> None:
+    q, k_cache, v_cache, _, _, _ = make_batch([(4, 1)], 4, 2, 64, 8, torch.float32, "cpu")
+    out = paged_attention(q[:0], k_cache, v_cache, torch.zeros((0, 1), dtype=torch.int32),
+                          torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 0.1)
+    assert out.shape == (0, 4, 64)
+
+
+
+BAD_ARGS = {
+    "q_2d": (lambda b: (b[0][:, 0], *b[1:]), "q must have 3 dims"),
+    "q_dtype": (lambda b: (b[0].double(), *b[1:]), "q dtype"),
+    "cache_dtype": (lambda b: (b[0], b[1].half(), *b[2:]), "k_cache dtype"),
+    "v_shape": (lambda b: (b[0], b[1], b[2][:, :4], *b[3:]), "v_cache must have shape"),
+    "head_dim": (lambda b: (b[0][..., :32].contiguous(), *b[1:]), "head_dim"),
+    "group": (lambda b: (b[0][:, :3].contiguous(), *b[1:]), "multiple of num_kv_heads"),
+    "q_strides": (lambda b: (b[0].transpose(1, 2).contiguous().transpose(1, 2), *b[1:]), "contiguous in its last dim"),
+    "table_dtype": (lambda b: (*b[:3], b[3].long(), *b[4:]), "block_tables dtype"),
+    "seq_lens_shape": (lambda b: (*b[:4], b[4][:-1], b[5]), "seq_lens must have shape"),
+    "qsl_shape": (lambda b: (*b[:5], b[5][:-1]), "query_start_loc must have shape"),
+    "block_size": (lambda b: (b[0], b[1][:, :6], b[2][:, :6], *b[3:]), "power of 2"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGS))
+def test_launcher_rejects_bad_arguments(case: str) -> None:
+    make_bad, message = BAD_ARGS[case]
+    batch = make_batch(DECODE, 4, 2, 64, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=message):
+        paged_attention(*make_bad(batch), 0.1)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+def test_gpu_decode_and_prefill_bf16_real_sizes(block_size: int) -> None:
+    torch.manual_seed(block_size)
+    lens = torch.randint(1, 3000, (24,)).tolist()
+    decode = [(n, 1) for n in lens]
+    mixed = decode[:12] + [(1024, 1024), (4096 + 512, 512), (700, 300)]
+    for specs in (decode, mixed):
+        batch = make_batch(specs, 32, 8, 128, block_size, torch.bfloat16, "cuda")
+        scale = 1 / math.sqrt(128)
+        ref = reference.paged_attention(*batch, scale)
+        for splits in (None, 1, 8):
+            assert rel_err(run_triton(batch, scale, num_splits=splits), ref) < 1.5e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (80, 32, 32), (96, 16, 1), (128, 32, 4)])
+def test_gpu_head_dims_and_groups_bf16(head_dim: int, num_heads: int, num_kv_heads: int) -> None:
+    specs = [(n, 1) for n in (1, 17, 555, 2048)] + [(300, 300), (1000, 77)]
+    batch = make_batch(specs, num_heads, num_kv_heads, head_dim, 16, torch.bfloat16, "cuda",
+                       poison_unused=True)
+    scale = head_dim ** -0.5
+    assert rel_err(run_triton(batch, scale), dense_float64(batch, scale)) < 1.5e-2
+    assert rel_err(run_triton(batch, scale, num_splits=4), dense_float64(batch, scale)) < 1.5e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_long_context_split_kv_bf16() -> None:
+    batch = make_batch([(32768, 1)] * 2 + [(20000, 1)], 32, 8, 128, 16, torch.bfloat16, "cuda")
+    scale = 128 ** -0.5
+    assert rel_err(run_triton(batch, scale), reference.paged_attention(*batch, scale)) < 1.5e-2

@@ -1,0 +1,66 @@
+"""rotary_embedding rotates q and k in place exactly as the reference (NeoX halves)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvpilot.kernels import reference
+from kvpilot.kernels.rotary import rotary_embedding
+
+
+def cos_sin(max_positions: int, head_dim: int, device: torch.device | str) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+def check(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+          device: torch.device | str, positions_dtype: torch.dtype = torch.int64) -> None:
+    cache = cos_sin(4096, head_dim, device)
+    positions = torch.randint(0, 4096, (num_tokens,), device=device, dtype=positions_dtype)
+    q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+    ref_q, ref_k = q.clone(), k.clone()
+    reference.rotary_embedding(positions, ref_q, ref_k, cache)
+    rotary_embedding(positions, q, k, cache)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(q, ref_q, **tol)
+    torch.testing.assert_close(k, ref_k, **tol)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 80), (8, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_matches_reference(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                           device: torch.device) -> None:
+    check(11, num_heads, num_kv_heads, head_dim, dtype, device)
+
+
+def test_int32_positions(device: torch.device) -> None:
+    check(5, 4, 2, 64, torch.float32, device, positions_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("k_dtype", "k dtype"), ("k_shape", "k must have shape"), ("positions", "positions must have shape"),
+    ("cache_dtype", "cos_sin_cache dtype"), ("cache_width", "cos_sin_cache must be"),
+])
+def test_rejects_bad_arguments(case: str, message: str) -> None:
+    q, k = torch.randn(4, 4, 64), torch.randn(4, 2, 64)
+    positions, cache = torch.arange(4), cos_sin(16, 64, "cpu")
+    if case == "k_dtype":
+        k = k.half()
+    elif case == "k_shape":
+        k = k[..., :32]
+    elif case == "positions":
+        positions = positions[:3]
+    elif case == "cache_dtype":
+        cache = cache.half()
+    else:
+        cache = cos_sin(16, 32, "cpu")
+    with pytest.raises(ValueError, match=message):
+        rotary_embedding(positions, q, k, cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_real_sizes() -> None:
+    check(4096, 32, 8, 128, torch.bfloat16, "cuda")
