@@ -1,0 +1,67 @@
+"""`kvpilot operator`: run the InferenceService controller."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+DEFAULT_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", dest="namespaces", action="append", metavar="NS",
+                       help="watch this namespace (repeatable; globs such as 'team-*' work)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
+    parser.add_argument("--image", default=os.environ.get("KVPILOT_IMAGE", DEFAULT_IMAGE),
+                        help="runtime image for InferenceServices that name none (env KVPILOT_IMAGE; "
+                             "default %(default)s)")
+    parser.add_argument("--peering", metavar="NAME",
+                        help="kopf peering object shared by the operator's replicas (required when "
+                             "running more than one); without it, a peering named 'default' is used "
+                             "if it exists")
+    parser.add_argument("--standalone", action="store_true", help="ignore peering entirely")
+    parser.add_argument("--priority", type=int, default=0,
+                        help="peering priority: the highest-priority replica works, others wait")
+    parser.add_argument("--metrics-port", type=int, default=8080,
+                        help="serve /metrics on this port (0: off; default %(default)s)")
+    parser.add_argument("--health-port", type=int, default=8081,
+                        help="serve the /healthz liveness probe on this port (0: off; default %(default)s)")
+    parser.add_argument("--resync-interval", type=float, default=300.0, metavar="SECONDS",
+                        help="re-check every InferenceService this often to repair drift (default %(default)s)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    parser.add_argument("--debug", action="store_true", help="log everything, including API traffic")
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from . import handlers, metrics
+
+    if not args.namespaces and not args.all_namespaces:
+        print("kvpilot operator: choose the namespaces to watch: --namespace NS (repeatable) or --all-namespaces")
+        return 2
+    if args.peering and args.standalone:
+        print("kvpilot operator: --peering and --standalone exclude each other")
+        return 2
+    if args.resync_interval <= 0:
+        print("kvpilot operator: --resync-interval must be > 0")
+        return 2
+    kopf.configure(verbose=args.verbose, debug=args.debug)
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, handlers.OperatorConfig(image=args.image, resync_interval=args.resync_interval))
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+    liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
+    kopf.run(
+        registry=registry,
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespaces or (),
+        standalone=args.standalone or None,
+        peering_name=args.peering,
+        priority=args.priority,
+        liveness_endpoint=liveness,
+    )
+    return 0

@@ -1,0 +1,59 @@
+"""`spec` -> the `kvpilot serve` command line, in vLLM's flag spellings.
+
+Secrets never reach argv: the admin token and the API key come in through the environment
+(KVPILOT_ADMIN_TOKEN, KVPILOT_API_KEY), where `ps` and the pod spec do not show them.
+"""
+
+from __future__ import annotations
+
+from .model_source import ModelSource
+from .spec import InferenceServiceSpec
+
+SERVE_PORT = 8000
+
+
+def _num(value: float) -> str:
+    """4.0 -> "4", 0.9 -> "0.9": what a person would type."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def serve_args(spec: InferenceServiceSpec, source: ModelSource, served_model_name: str) -> list[str]:
+    """The arguments after `kvpilot serve`; defaults are passed too, so the pod spec documents them."""
+    engine, model = spec.engine, spec.model
+    load_format = "dummy" if source.is_preset and model.load_format == "auto" else model.load_format
+    args = ["--host", "0.0.0.0", "--port", str(SERVE_PORT), "--served-model-name", served_model_name]
+    if source.model_arg is not None:
+        args += ["--model", source.model_arg]
+    args += ["--load-format", load_format, "--dtype", model.dtype]
+    if model.quantization:
+        args += ["--quantization", model.quantization]
+    args += [
+        "--tensor-parallel-size", str(spec.tensor_parallel_size),
+        "--block-size", str(engine.block_size),
+        "--swap-space", _num(engine.swap_space),
+        "--gpu-memory-utilization", _num(engine.gpu_memory_utilization),
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--preemption-mode", engine.preemption_mode,
+        "--scheduler-policy", engine.scheduler_policy,
+    ]
+    optional: list[tuple[str, int | float | None]] = [
+        ("--num-gpu-blocks-override", engine.num_gpu_blocks_override),
+        ("--max-num-batched-tokens", engine.max_num_batched_tokens),
+        ("--max-model-len", engine.max_model_len),
+        ("--max-queue-len", engine.max_queue_len),
+        ("--metric-interval", engine.metric_interval),
+        ("--seed", engine.seed),
+    ]
+    for flag, value in optional:
+        if value is not None:
+            args += [flag, _num(value)]
+    switches = [
+        ("--enable-chunked-prefill", engine.enable_chunked_prefill),
+        ("--enable-prefix-caching", engine.enable_prefix_caching),
+        ("--enforce-eager", engine.enforce_eager),
+        ("--disable-log-stats", engine.disable_log_stats),
+    ]
+    args += [flag for flag, on in switches if on]
+    if engine.device != "auto":
+        args += ["--device", engine.device]
+    return args

@@ -1,0 +1,133 @@
+"""status of an InferenceService, computed from its Deployment: pure functions.
+
+Conditions follow metav1.Condition: `lastTransitionTime` moves only when `status` flips, so a
+reconcile that changes nothing writes nothing.
+
+* Ready — every desired replica is ready (False when scaled to zero).
+* Progressing — a rollout or scale is under way.
+* Degraded — the spec cannot work, or the Deployment reports it is stuck.
+* Tuned — owned by the autotuner; here only its placeholder while autotune is off or waiting.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from .manifests import Owner, engine_in_force, selector_string, service_url
+from .model_source import ModelSource
+from .spec import InferenceServiceSpec
+
+Manifest = dict[str, Any]
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Tuned")
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(type_: str, status: bool | None, reason: str, message: str) -> Manifest:
+    text = "Unknown" if status is None else ("True" if status else "False")
+    return {"type": type_, "status": text, "reason": reason, "message": message}
+
+
+def merge_conditions(current: list[Manifest], updates: list[Manifest], generation: int,
+                     now: str) -> list[Manifest]:
+    """`current` with `updates` applied; transition times kept where the status did not change."""
+    by_type = {c["type"]: dict(c) for c in current}
+    for update in updates:
+        old = by_type.get(update["type"])
+        new = {**update, "observedGeneration": generation}
+        same_status = old is not None and old.get("status") == update["status"]
+        new["lastTransitionTime"] = old.get("lastTransitionTime", now) if same_status and old else now
+        by_type[update["type"]] = new
+    order = {t: i for i, t in enumerate(CONDITION_TYPES)}
+    return sorted(by_type.values(), key=lambda c: (order.get(c["type"], len(order)), c["type"]))
+
+
+def _deployment_condition(deployment: Manifest, type_: str) -> Manifest | None:
+    for cond in deployment.get("status", {}).get("conditions", []) or []:
+        if cond.get("type") == type_:
+            return dict(cond)
+    return None
+
+
+def rollout_conditions(deployment: Manifest | None, desired: int) -> list[Manifest]:
+    """Ready, Progressing and Degraded as the Deployment reports them."""
+    if deployment is None:
+        return [condition("Ready", False, "DeploymentMissing", "the Deployment does not exist yet"),
+                condition("Progressing", True, "Creating", "creating the Deployment"),
+                condition("Degraded", False, "AsExpected", "")]
+    status = deployment.get("status", {}) or {}
+    generation = deployment.get("metadata", {}).get("generation", 0)
+    observed = status.get("observedGeneration", 0) >= generation
+    ready = status.get("readyReplicas", 0) or 0
+    updated = status.get("updatedReplicas", 0) or 0
+    total = status.get("replicas", 0) or 0
+
+    stuck = _deployment_condition(deployment, "Progressing")
+    failure = _deployment_condition(deployment, "ReplicaFailure")
+    if stuck is not None and stuck.get("reason") == "ProgressDeadlineExceeded":
+        degraded = condition("Degraded", True, "ProgressDeadlineExceeded", stuck.get("message", ""))
+    elif failure is not None and failure.get("status") == "True":
+        degraded = condition("Degraded", True, failure.get("reason") or "ReplicaFailure",
+                             failure.get("message", ""))
+    else:
+        degraded = condition("Degraded", False, "AsExpected", "")
+
+    rolling = not observed or updated < desired or total > updated or ready < desired
+    summary = f"{ready}/{desired} replicas ready, {updated} up to date"
+    if rolling:
+        progressing = condition("Progressing", True, "RollingOut", summary)
+    else:
+        progressing = condition("Progressing", False, "RolloutComplete", summary)
+
+    if desired == 0:
+        ready_cond = condition("Ready", False, "ScaledToZero", "spec.replicas is 0")
+    elif observed and ready >= desired and updated >= desired:
+        ready_cond = condition("Ready", True, "AllReplicasReady", summary)
+    else:
+        ready_cond = condition("Ready", False, "ReplicasNotReady", summary)
+    return [ready_cond, progressing, degraded]
+
+
+def tuned_placeholder(spec: InferenceServiceSpec, current: list[Manifest]) -> list[Manifest]:
+    """The Tuned slot until the autotuner takes it over; an autotuner's own reasons are kept."""
+    existing = next((c for c in current if c.get("type") == "Tuned"), None)
+    if not spec.autotune.enabled:
+        return [condition("Tuned", False, "AutotuneDisabled", "spec.autotune.enabled is false")]
+    if existing is None or existing.get("reason") == "AutotuneDisabled":
+        return [condition("Tuned", None, "AwaitingMetrics", "no tuning decision yet")]
+    return []
+
+
+def build_status(current: Manifest, generation: int, owner: Owner, spec: InferenceServiceSpec,
+                 source: ModelSource, deployment: Manifest | None, now: str) -> Manifest:
+    """The operator-owned part of status (the autotuner's and autoscaler's fields are left alone)."""
+    dstatus = (deployment or {}).get("status", {}) or {}
+    conditions = current.get("conditions", []) or []
+    updates = rollout_conditions(deployment, spec.replicas) + tuned_placeholder(spec, conditions)
+    return {
+        "observedGeneration": generation,
+        "conditions": merge_conditions(conditions, updates, generation, now),
+        "replicas": dstatus.get("replicas", 0) or 0,
+        "readyReplicas": dstatus.get("readyReplicas", 0) or 0,
+        "updatedReplicas": dstatus.get("updatedReplicas", 0) or 0,
+        "selector": selector_string(owner),
+        "url": service_url(owner),
+        "engine": engine_in_force(owner, spec, source),
+    }
+
+
+def invalid_spec_status(current: Manifest, generation: int, message: str, now: str) -> Manifest:
+    conditions = current.get("conditions", []) or []
+    updates = [condition("Ready", False, "InvalidSpec", message),
+               condition("Progressing", False, "InvalidSpec", message),
+               condition("Degraded", True, "InvalidSpec", message)]
+    return {"observedGeneration": generation,
+            "conditions": merge_conditions(conditions, updates, generation, now)}
+
+
+def status_changes(current: Manifest, new: Manifest) -> Manifest:
+    """The keys of `new` whose values differ from `current`: the status patch, possibly empty."""
+    return {k: v for k, v in new.items() if current.get(k) != v}

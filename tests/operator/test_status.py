@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+from typing import Any
+
+from kvpilot.operator.manifests import Owner
+from kvpilot.operator.model_source import resolve_model_source
+from kvpilot.operator.spec import InferenceServiceSpec
+from kvpilot.operator.status import (
+    build_status,
+    invalid_spec_status,
+    merge_conditions,
+    rollout_conditions,
+    status_changes,
+)
+
+OWNER = Owner("llama", "default", "uid")
+
+
+def _deployment(ready: int, updated: int, total: int, generation: int = 1, observed: int = 1,
+                conditions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"metadata": {"generation": generation},
+            "status": {"observedGeneration": observed, "readyReplicas": ready, "updatedReplicas": updated,
+                       "replicas": total, "conditions": conditions or []}}
+
+
+def _by_type(conditions: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in conditions}
+
+
+def test_all_replicas_ready_is_ready_and_not_progressing() -> None:
+    got = _by_type(rollout_conditions(_deployment(2, 2, 2), desired=2))
+    assert got == {"Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "RolloutComplete"),
+                   "Degraded": ("False", "AsExpected")}
+
+
+def test_rollout_in_progress() -> None:
+    got = _by_type(rollout_conditions(_deployment(2, 1, 3, generation=2, observed=2), desired=2))
+    assert got["Progressing"] == ("True", "RollingOut")
+    assert got["Ready"] == ("False", "ReplicasNotReady")
+
+
+def test_unobserved_generation_is_progressing() -> None:
+    got = _by_type(rollout_conditions(_deployment(1, 1, 1, generation=2, observed=1), desired=1))
+    assert got["Progressing"][0] == "True"
+
+
+def test_progress_deadline_is_degraded() -> None:
+    stuck = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "slow"}]
+    got = _by_type(rollout_conditions(_deployment(0, 1, 1, conditions=stuck), desired=1))
+    assert got["Degraded"] == ("True", "ProgressDeadlineExceeded")
+
+
+def test_scaled_to_zero_is_not_ready() -> None:
+    assert _by_type(rollout_conditions(_deployment(0, 0, 0), desired=0))["Ready"] == ("False", "ScaledToZero")
+
+
+def test_transition_time_moves_only_when_status_flips() -> None:
+    first = merge_conditions([], [{"type": "Ready", "status": "False", "reason": "a", "message": ""}], 1, "t1")
+    same = merge_conditions(first, [{"type": "Ready", "status": "False", "reason": "b", "message": ""}], 2, "t2")
+    flipped = merge_conditions(same, [{"type": "Ready", "status": "True", "reason": "c", "message": ""}], 2, "t3")
+    assert [c["lastTransitionTime"] for c in (first[0], same[0], flipped[0])] == ["t1", "t1", "t3"]
+    assert same[0]["observedGeneration"] == 2
+
+
+def test_status_carries_selector_url_engine_and_tuned_slot() -> None:
+    spec = InferenceServiceSpec.model_validate({"model": {"source": "pvc://m/llama"}, "replicas": 2,
+                                                "engine": {"blockSize": 32}})
+    status = build_status({}, 3, OWNER, spec, resolve_model_source("pvc://m/llama"), _deployment(2, 2, 2), "t")
+    assert status["observedGeneration"] == 3
+    assert (status["replicas"], status["readyReplicas"]) == (2, 2)
+    assert status["url"] == "http://llama.default.svc:8000"
+    assert status["selector"].startswith("app.kubernetes.io/name=kvpilot")
+    assert status["engine"]["blockSize"] == 32 and status["engine"]["model"] == "/models/llama"
+    assert _by_type(status["conditions"])["Tuned"] == ("False", "AutotuneDisabled")
+
+
+def test_recomputing_an_unchanged_status_changes_nothing() -> None:
+    spec = InferenceServiceSpec.model_validate({"model": {"source": "embedded"}})
+    source = resolve_model_source("embedded")
+    first = build_status({}, 1, OWNER, spec, source, _deployment(1, 1, 1), "t1")
+    again = build_status(first, 1, OWNER, spec, source, _deployment(1, 1, 1), "t2")
+    assert status_changes(first, again) == {}
+
+
+def test_invalid_spec_is_degraded() -> None:
+    status = invalid_spec_status({}, 4, "bad source", "t")
+    assert _by_type(status["conditions"])["Degraded"] == ("True", "InvalidSpec")
+    assert status["observedGeneration"] == 4
