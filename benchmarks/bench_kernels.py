@@ -1,0 +1,338 @@
+"""Benchmark kvpilot's Triton kernels against their peers and ceilings (issue 5).
+
+Checks every kernel against the plain-torch reference on the GPU first, then times (device-event
+medians through triton.testing.do_bench, which flushes L2 between runs) on random data with block
+tables in random order, peers measured in the same run:
+
+  copy      large device-to-device copy: the bandwidth ceiling (bytes read + written)
+  decode    B=64, context 2048, 32/8 heads, head dim 128, bf16, block sizes 8/16/32/64
+            peers: gather blocks then SDPA; SDPA on contiguous (unpaged) KV
+  split     B=4, context 32768 (split-KV), block 16
+  prefill   8 x 1024-token prompts, causal; peer: SDPA flash backend on unpaged inputs
+  chunked   8 x (512 new tokens on 4096 cached); peer: SDPA flash, lower-right causal mask
+  norm      fused residual-add + RMSNorm and RMSNorm, 16384 x 4096 bf16
+  rotary    16384 tokens, 32/8 heads, head dim 128, bf16
+  kv write  16384 tokens, 8 heads, head dim 128, bf16
+
+Usage: python benchmarks/bench_kernels.py [--sweep] [--out DIR] [--commit HASH]
+       python benchmarks/bench_kernels.py --merge SECTION.md   (write it into benchmarks/RESULTS.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import re
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import triton
+from torch.nn import functional as F
+
+RESULTS = Path(__file__).parent / "RESULTS.md"
+SECTION = "## Kernels (issue 5)"
+
+
+def merge_section(section: str, path: Path = RESULTS) -> None:
+    """Replace (or append) this benchmark's section of RESULTS.md, leaving the others alone."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    body = section.strip() + "\n\n"
+    text = pattern.sub(lambda _: body, text) if pattern.search(text) else text.rstrip() + "\n\n" + body
+    path.write_text(text.rstrip() + "\n")
+
+
+def gather_then_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """The naive peer: gather each sequence's blocks into contiguous K/V, then SDPA."""
+    k = k_cache[tables.long()].flatten(1, 2).transpose(1, 2)  # (B, kv_heads, ctx, D)
+    v = v_cache[tables.long()].flatten(1, 2).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    parser.add_argument("--out", type=Path, default=Path("."), help="folder for the log files")
+    parser.add_argument("--commit", default="unknown", help="git commit being measured")
+    parser.add_argument("--merge", type=Path, help="merge a section file into RESULTS.md and exit")
+    args = parser.parse_args()
+    if args.merge:
+        merge_section(args.merge.read_text())
+        return
+    Bench(args.out, args.commit, args.sweep).run()
+
+
+class Bench:
+    def __init__(self, out: Path, commit: str, sweep: bool) -> None:
+        self.torch, self.triton = torch, triton
+        self.out, self.commit, self.sweep = out, commit, sweep
+        self.rows: list[dict[str, object]] = []
+        self.notes: list[str] = []
+        self.device = torch.device("cuda")
+        out.mkdir(parents=True, exist_ok=True)
+
+    # ---------------------------------------------------------------- helpers
+    def time_ms(self, fn: Callable[[], object]) -> float:
+        fn()
+        self.torch.cuda.synchronize()
+        return float(self.triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+
+    def record(self, group: str, name: str, ms: float, **extra: object) -> None:
+        row = {"group": group, "name": name, "ms": ms, **extra}
+        self.rows.append(row)
+        shown = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
+        print(f"{group:9s} {name:48s} {ms:8.4f} ms  {shown}", flush=True)
+
+    def paged_batch(self, specs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
+                    block_size: int) -> tuple:
+        per_seq = [-(-ctx // block_size) for ctx, _ in specs]
+        num_blocks = sum(per_seq)
+        pool = torch.randperm(num_blocks, device=self.device).int()
+        tables = torch.zeros(len(specs), max(per_seq), dtype=torch.int32, device=self.device)
+        used = 0
+        for i, n in enumerate(per_seq):
+            tables[i, :n] = pool[used:used + n]
+            used += n
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        k_cache = torch.randn(shape, dtype=torch.bfloat16, device=self.device)
+        v_cache = torch.randn(shape, dtype=torch.bfloat16, device=self.device)
+        num_tokens = sum(q for _, q in specs)
+        q = torch.randn(num_tokens, heads, head_dim, dtype=torch.bfloat16, device=self.device)
+        qsl = torch.tensor([0] + [n for _, n in specs], device=self.device).cumsum(0).int()
+        seq_lens = torch.tensor([c for c, _ in specs], dtype=torch.int32, device=self.device)
+        return q, k_cache, v_cache, tables, seq_lens, qsl
+
+    def contiguous_kv(self, batch: tuple, ctx: int) -> tuple:
+        """(B, kv_heads, ctx, D) copies of the paged K/V: the unpaged peers' inputs."""
+        _, k_cache, v_cache, tables, _, _ = batch
+        b = tables.shape[0]
+        k = k_cache[tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+        v = v_cache[tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+        assert k.shape[0] == b
+        return k, v
+
+    # ---------------------------------------------------------------- correctness
+    def check_correctness(self) -> None:
+        from kvpilot.kernels import reference, triton_ops
+
+        def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+            if a.isnan().any():
+                return math.inf
+            return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+        worst = 0.0
+        for block_size in (8, 16, 32, 64):
+            lens = torch.randint(1, 4000, (32,)).tolist()
+            for specs in ([(n, 1) for n in lens], [(n, 1) for n in lens[:8]] + [(1024, 1024), (4608, 512)]):
+                batch = self.paged_batch(specs, 32, 8, 128, block_size)
+                ref = reference.paged_attention(*batch, 128 ** -0.5)
+                worst = max(worst, rel(triton_ops.paged_attention(*batch, 128 ** -0.5), ref))
+        batch = self.paged_batch([(32768, 1)] * 4, 32, 8, 128, 16)
+        ref = reference.paged_attention(*batch, 128 ** -0.5)
+        worst = max(worst, rel(triton_ops.paged_attention(*batch, 128 ** -0.5), ref))
+        x = torch.randn(4096, 4096, dtype=torch.bfloat16, device=self.device)
+        res = torch.randn_like(x)
+        w = torch.randn(4096, dtype=torch.bfloat16, device=self.device)
+        x2, res2 = x.clone(), res.clone()
+        reference.fused_add_rms_norm(x, res, w, 1e-5)
+        triton_ops.fused_add_rms_norm(x2, res2, w, 1e-5)
+        norm_err = max(rel(x2, x), rel(res2, res))
+        pos = torch.randint(0, 8192, (4096,), device=self.device)
+        cs = torch.randn(8192, 128, device=self.device)
+        q = torch.randn(4096, 32, 128, dtype=torch.bfloat16, device=self.device)
+        k = torch.randn(4096, 8, 128, dtype=torch.bfloat16, device=self.device)
+        q2, k2 = q.clone(), k.clone()
+        reference.rotary_embedding(pos, q, k, cs)
+        triton_ops.rotary_embedding(pos, q2, k2, cs)
+        rope_err = max(rel(q2, q), rel(k2, k))
+        print(f"correctness (relative L2 error vs reference): attention {worst:.2e}, "
+              f"fused add+rmsnorm {norm_err:.2e}, rotary {rope_err:.2e}", flush=True)
+        if not (worst < 2e-2 and norm_err < 1e-2 and rope_err < 1e-2):
+            sys.exit("correctness check failed: no timings taken")
+        self.notes.append(f"GPU correctness vs reference before timing (relative L2, bf16): attention "
+                          f"{worst:.1e} (worst of 9 batches, every block size, decode/prefill/chunked/split), "
+                          f"fused add+RMSNorm {norm_err:.1e}, rotary {rope_err:.1e}.")
+
+    # ---------------------------------------------------------------- ceilings
+    def bench_copy(self) -> float:
+        src = torch.randn(1 << 29, dtype=torch.bfloat16, device=self.device)  # 1 GiB
+        dst = torch.empty_like(src)
+        ms = self.time_ms(lambda: dst.copy_(src))
+        rate = 2 * src.numel() * 2 / ms / 1e9
+        self.record("ceiling", "D2D copy 1 GiB", ms, TBps=rate)
+        return rate
+
+    # ---------------------------------------------------------------- attention
+    def bench_decode(self, copy_rate: float) -> None:
+        from kvpilot.kernels.paged_attention import DecodeConfig, paged_attention_with
+
+        b, ctx, heads, kv_heads, d = 64, 2048, 32, 8, 128
+        kv_bytes = 2 * b * ctx * kv_heads * d * 2
+        scale = d ** -0.5
+        configs = [DecodeConfig()]
+        if self.sweep:
+            configs += [DecodeConfig(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
+                        if DecodeConfig(n, w, s) != DecodeConfig()]
+        for block_size in (16, 8, 32, 64):
+            batch = self.paged_batch([(ctx, 1)] * b, heads, kv_heads, d, block_size)
+            best = math.inf
+            for cfg in configs if block_size == 16 else configs[:1] + self._top_decode:
+                for splits in ((None, 2) if self.sweep else (None,)):
+                    ms = self.time_ms(partial(paged_attention_with, *batch, scale, num_splits=splits, decode=cfg))
+                    tag = "default" if cfg == DecodeConfig() and splits is None else f"{cfg} splits={splits}"
+                    self.record("decode", f"triton block={block_size} {tag}", ms,
+                                TBps=kv_bytes / ms / 1e9, of_copy=kv_bytes / ms / 1e9 / copy_rate)
+                    best = min(best, ms)
+            if block_size == 16:
+                decode_rows = [r for r in self.rows if r["group"] == "decode" and "splits=None" in str(r["name"])]
+                ranked = sorted(decode_rows, key=lambda r: float(r["ms"]))  # type: ignore[arg-type]
+                self._top_decode = [c for c in configs[1:] if any(str(c) in str(r["name"]) for r in ranked[:3])]
+                q, _, _, _, _, _ = batch
+                k, v = self.contiguous_kv(batch, ctx)
+                qb = q.view(b, heads, 1, d)
+                ms = self.time_ms(partial(F.scaled_dot_product_attention, qb, k, v, scale=scale, enable_gqa=True))
+                self.record("decode", "peer: SDPA on contiguous KV", ms, TBps=kv_bytes / ms / 1e9)
+                _, k_cache, v_cache, tables, _, _ = batch
+                ms = self.time_ms(partial(gather_then_sdpa, qb, k_cache, v_cache, tables, scale))
+                self.record("decode", "peer: gather blocks then SDPA", ms, TBps=kv_bytes / ms / 1e9)
+            self.record("decode", f"best block={block_size}", best, TBps=kv_bytes / best / 1e9,
+                        of_copy=kv_bytes / best / 1e9 / copy_rate)
+
+    def bench_split(self, copy_rate: float) -> None:
+        from kvpilot.kernels.paged_attention import DecodeConfig, paged_attention_with
+
+        b, ctx, heads, kv_heads, d = 4, 32768, 32, 8, 128
+        kv_bytes = 2 * b * ctx * kv_heads * d * 2
+        batch = self.paged_batch([(ctx, 1)] * b, heads, kv_heads, d, 16)
+        variants: list[tuple[int | None, DecodeConfig]] = [(None, DecodeConfig())]
+        if self.sweep:
+            variants += [(s, c) for s in (8, 16, 32, 64) for c in [DecodeConfig(), *self._top_decode]]
+        for splits, cfg in variants:
+            ms = self.time_ms(partial(paged_attention_with, *batch, d ** -0.5, num_splits=splits, decode=cfg))
+            tag = "default" if splits is None and cfg == DecodeConfig() else f"{cfg} splits={splits}"
+            self.record("split", f"triton B=4 ctx=32k {tag}", ms, TBps=kv_bytes / ms / 1e9,
+                        of_copy=kv_bytes / ms / 1e9 / copy_rate)
+
+    def _prefill_case(self, group: str, specs: list[tuple[int, int]], flops: float) -> None:
+        from kvpilot.kernels.paged_attention import PrefillConfig, paged_attention_with
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+
+        heads, kv_heads, d = 32, 8, 128
+        scale = d ** -0.5
+        batch = self.paged_batch(specs, heads, kv_heads, d, 16)
+        configs = [PrefillConfig()]
+        if self.sweep:
+            configs += [PrefillConfig(*c) for c in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3),
+                                                    (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 4, 3),
+                                                    (64, 64, 8, 2))]
+        for cfg in configs:
+            try:
+                ms = self.time_ms(partial(paged_attention_with, *batch, scale, prefill=cfg))
+            except Exception as e:  # a config that does not fit shared memory
+                print(f"{group} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+                continue
+            tag = "default" if cfg == PrefillConfig() else str(cfg)
+            self.record(group, f"triton {tag}", ms, TFLOPs=flops / ms / 1e9)
+        b = len(specs)
+        q_len, ctx = specs[0][1], specs[0][0]
+        q = batch[0].view(b, q_len, heads, d).transpose(1, 2)
+        k, v = self.contiguous_kv(batch, ctx)
+        # the flash backend wants equal head counts: expand K/V (it is compute-bound here)
+        k = k.repeat_interleave(heads // kv_heads, 1)
+        v = v.repeat_interleave(heads // kv_heads, 1)
+
+        def sdpa() -> torch.Tensor:
+            if q_len == ctx:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, ctx), scale=scale)
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ms = self.time_ms(sdpa)
+        self.record(group, "peer: SDPA flash backend, unpaged", ms, TFLOPs=flops / ms / 1e9)
+
+    def bench_prefill(self) -> None:
+        b, n, heads, d = 8, 1024, 32, 128
+        flops = 4 * b * heads * d * n * (n + 1) / 2  # causal: row r attends r + 1 keys
+        self._prefill_case("prefill", [(n, n)] * b, flops)
+        cached, new = 4096, 512
+        flops = 4 * b * heads * d * sum(cached + r + 1 for r in range(new))
+        self._prefill_case("chunked", [(cached + new, new)] * b, flops)
+
+    # ---------------------------------------------------------------- layers
+    def bench_layers(self, copy_rate: float) -> None:
+        from kvpilot.kernels import triton_ops
+
+        t, hidden = 16384, 4096
+        x = torch.randn(t, hidden, dtype=torch.bfloat16, device=self.device)
+        res = torch.randn_like(x)
+        w = torch.randn(hidden, dtype=torch.bfloat16, device=self.device)
+        nbytes = 4 * x.numel() * 2  # read x and residual, write both
+        ms = self.time_ms(lambda: triton_ops.fused_add_rms_norm(x, res, w, 1e-5))
+        self.record("norm", "fused add + RMSNorm 16384x4096", ms, TBps=nbytes / ms / 1e9,
+                    of_copy=nbytes / ms / 1e9 / copy_rate)
+        ms = self.time_ms(lambda: triton_ops.rms_norm(x, w, 1e-5))
+        nbytes = 2 * x.numel() * 2
+        self.record("norm", "RMSNorm 16384x4096", ms, TBps=nbytes / ms / 1e9, of_copy=nbytes / ms / 1e9 / copy_rate)
+        heads, kv_heads, d = 32, 8, 128
+        q = torch.randn(t, heads, d, dtype=torch.bfloat16, device=self.device)
+        k = torch.randn(t, kv_heads, d, dtype=torch.bfloat16, device=self.device)
+        cs = torch.randn(8192, d, device=self.device)
+        pos = torch.randint(0, 8192, (t,), device=self.device)
+        nbytes = 2 * (q.numel() + k.numel()) * 2 + t * d * 4 + t * 8  # q, k in and out; cos/sin rows
+        ms = self.time_ms(lambda: triton_ops.rotary_embedding(pos, q, k, cs))
+        self.record("rotary", "rotary 16384 tok, 32/8 heads, hd 128", ms, TBps=nbytes / ms / 1e9,
+                    of_copy=nbytes / ms / 1e9 / copy_rate)
+        v = torch.randn_like(k)
+        num_blocks = t // 16 * 2
+        k_cache = torch.randn(num_blocks, 16, kv_heads, d, dtype=torch.bfloat16, device=self.device)
+        v_cache = torch.randn_like(k_cache)
+        slots = torch.randperm(num_blocks * 16, device=self.device)[:t]
+        nbytes = 4 * k.numel() * 2 + t * 8
+        ms = self.time_ms(lambda: triton_ops.write_kv_cache(k, v, k_cache, v_cache, slots))
+        self.record("kv write", "write_kv_cache 16384 tok, 8 heads, hd 128", ms, TBps=nbytes / ms / 1e9,
+                    of_copy=nbytes / ms / 1e9 / copy_rate)
+
+    # ---------------------------------------------------------------- driver
+    def _guarded(self, section: Callable[[float], None], copy_rate: float) -> None:
+        """One failing section must not cost the others' numbers (device time is scarce)."""
+        import traceback
+
+        try:
+            section(copy_rate)
+        except Exception:
+            traceback.print_exc()
+            self.notes.append(f"section {getattr(section, '__name__', 'prefill')} failed: see the log")
+        self.torch.cuda.empty_cache()
+
+    def run(self) -> None:
+        torch.manual_seed(0)
+        gpu = torch.cuda.get_device_name()
+        header = (f"date {datetime.date.today()}, commit {self.commit}, GPU {gpu}, torch {torch.__version__}, "
+                  f"triton {triton.__version__}")
+        print(header, flush=True)
+        self._top_decode: list = []
+        self.check_correctness()
+        copy_rate = self.bench_copy()
+        for section in (self.bench_decode, self.bench_split, self.bench_layers):
+            self._guarded(section, copy_rate)
+        self._guarded(lambda _: self.bench_prefill(), copy_rate)
+        (self.out / "bench_kernels.json").write_text(json.dumps(
+            {"header": header, "gpu": gpu, "commit": self.commit, "rows": self.rows, "notes": self.notes},
+            indent=1))
+        print("\nsummary")
+        for r in self.rows:
+            if "default" in str(r["name"]) or "peer" in str(r["name"]) or "best" in str(r["name"]) \
+                    or r["group"] in ("ceiling", "norm", "rotary", "kv write"):
+                extra = {k: v for k, v in r.items() if k not in ("group", "name", "ms")}
+                print(f"{r['group']:9s} {str(r['name'])[:60]:60s} {float(r['ms']):8.4f} ms {extra}")  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    main()
