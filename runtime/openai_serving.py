@@ -44,15 +44,16 @@ class OpenAIServing:
         params = _to_params(body.to_sampling_params)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions "
-                           "with prompt token ids", param="messages")
+                           "with prompt token ids", param="messages", code="no_chat_template")
         try:
             messages = [m.as_template_input() for m in body.messages]
             prompt = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=body.add_generation_prompt, chat_template=body.chat_template)
         except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+            raise APIError(400, str(e), param="messages", code="invalid_value") from None
         except Exception as e:  # noqa: BLE001 - jinja errors in a user's template or messages
-            raise APIError(400, f"the chat template could not be applied: {e}", param="messages") from None
+            raise APIError(400, f"the chat template could not be applied: {e}", param="messages",
+                           code="invalid_value") from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         top = body.top_logprobs or 0
         return await self._serve(request_id, prompt, params, raw, body.stream, body.include_usage,
@@ -108,7 +109,7 @@ class OpenAIServing:
             code = "context_length_exceeded" if "context length" in message else "invalid_prompt"
             raise APIError(400, message, code=code) from None
         except ValueError as e:
-            raise APIError(400, str(e), param=_field_of(str(e))) from None
+            raise APIError(400, str(e), param=_field_of(str(e)), code="invalid_value") from None
 
     async def _collect(self, request_id: str, outputs: RequestStream, raw: Request) -> RequestOutput | None:
         async def last() -> RequestOutput:
@@ -248,7 +249,7 @@ def _to_params(build: Callable[[], Any]) -> Any:
     try:
         return build()
     except ValueError as e:
-        raise APIError(400, str(e), param=_field_of(str(e))) from None
+        raise APIError(400, str(e), param=_field_of(str(e)), code="invalid_value") from None
 
 
 async def _wait_for_disconnect(raw: Request) -> None:

@@ -134,13 +134,15 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(error.status_code, "invalid_request_error")
-        return _error_response(APIError(error.status_code, str(error.detail), type=kind))
+        if error.status_code == 404:
+            return _error_response(APIError(404, f"no such endpoint: {error.detail}", type="not_found_error",
+                                            code="not_found"))
+        return _error_response(APIError(error.status_code, str(error.detail), code="invalid_request"))
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, error: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return _error_response(APIError(500, f"internal server error: {error!r}", type="internal_error"))
+        return _error_response(APIError(500, f"internal server error: {error!r}", type="internal_error", code="internal_error"))
 
 
 def _bearer(request: Request) -> str | None:
@@ -153,7 +155,7 @@ def _check_token(request: Request, expected: str, what: str) -> None:
     token = _bearer(request)
     if token is None or not hmac.compare_digest(token.encode(), expected.encode()):
         raise APIError(401, f"missing or wrong {what}: send 'Authorization: Bearer <{what}>'",
-                       type="authentication_error", code="invalid_api_key")
+                       type="authentication_error", code=f"invalid_{what.replace(' ', '_')}")
 
 
 # ---- routes ----------------------------------------------------------------------------------
@@ -234,7 +236,7 @@ def _add_admin_routes(app: FastAPI, state: ServerState) -> None:
         token = state.config.admin_token
         if token is None:
             raise APIError(404, "admin endpoints are disabled: start the server with --admin-token "
-                           "(or KVPILOT_ADMIN_TOKEN)", type="not_found_error")
+                           "(or KVPILOT_ADMIN_TOKEN)", type="not_found_error", code="admin_disabled")
         _check_token(request, token, "admin token")
 
     @app.get("/admin/config")
@@ -250,14 +252,14 @@ def _add_admin_routes(app: FastAPI, state: ServerState) -> None:
         except ValueError:
             raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
         if not isinstance(changes, dict) or not changes:
-            raise APIError(400, "send a JSON object of tunables, e.g. {\"block_size\": 32}")
+            raise APIError(400, "send a JSON object of tunables, e.g. {\"block_size\": 32}", code="invalid_value")
         started = time.perf_counter()
         try:
             applied = await state.engine.call(lambda engine: engine.update_config(changes))
         except ValueError as e:
             message = str(e)
             head = message.partition(":")[0]
-            raise APIError(400, message, param=head if head.isidentifier() else None) from None
+            raise APIError(400, message, param=head if head.isidentifier() else None, code="invalid_value") from None
         duration = time.perf_counter() - started
         if applied:
             state.metrics.record_config_change()
