@@ -12,6 +12,7 @@ import os
 from types import ModuleType
 
 import torch
+
 from kvpilot.kernels import reference
 
 _OPS = ("paged_attention", "write_kv_cache", "rms_norm", "fused_add_rms_norm", "rotary_embedding")

@@ -21,7 +21,10 @@ _EXPORTS = {
     "ModelConfig": "kvpilot.runtime.config",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput",
+    "EngineConfig", "CacheConfig", "SchedulerConfig", "ModelConfig",
+]
 
 if TYPE_CHECKING:
     from kvpilot.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig

@@ -55,9 +55,8 @@ class EngineArgs:
         """Resolve the model and the defaults that depend on it; validate everything."""
         from kvpilot.runtime.model_source import resolve_model
 
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size: only 1 is supported so far (tensor parallelism is not built yet)")
         source = resolve_model(self.model, self.load_format, tokenizer=self.tokenizer)
+        self._check_tensor_parallel(source.hf_config)
         native_len = source.max_position_embeddings
         max_model_len = self.max_model_len or native_len
         if max_model_len > native_len:
@@ -102,6 +101,20 @@ class EngineArgs:
         dev = DeviceConfig(device=device, enforce_eager=self.enforce_eager,
                            tensor_parallel_size=self.tensor_parallel_size)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler, device=dev)
+
+    def _check_tensor_parallel(self, hf: dict[str, Any]) -> None:
+        n = self.tensor_parallel_size
+        heads = int(hf.get("num_attention_heads", 1))
+        counts = {"attention heads": heads, "KV heads": int(hf.get("num_key_value_heads") or heads),
+                  "intermediate size": int(hf.get("intermediate_size", n))}
+        for what, count in counts.items():
+            if count % n:
+                raise ValueError(f"tensor_parallel_size: {n} does not divide the model's {what} ({count})")
+        if n > 1 and self.device in ("auto", "cuda"):
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.device_count() < n:
+                raise ValueError(f"tensor_parallel_size: {n} GPUs asked for, {torch.cuda.device_count()} visible")
 
     @classmethod
     def from_kwargs(cls, model: str | None, kwargs: dict[str, Any]) -> EngineArgs:

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 
 import torch
 
@@ -18,6 +19,7 @@ from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.model_runner import ModelRunner
 from kvpilot.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from kvpilot.runtime.parallel import destroy_group, start_tensor_parallel
 from kvpilot.runtime.sampler import SampleResult, SamplingRow
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.scheduler import Scheduler, SchedulerOutput
@@ -52,7 +54,11 @@ class StepStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        self._workers: list[BaseProcess] = []
+        tp = None
+        if config.device.tensor_parallel_size > 1:
+            self._workers, tp = start_tensor_parallel(config)
+        self.runner = ModelRunner(config, tp)
         self.tokenizer = Tokenizer(config.model.tokenizer) if config.model.tokenizer else None
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -62,6 +68,15 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.runner.num_blocks,
                     config.cache.block_size, self.runner.num_blocks * self.runner.bytes_per_block / (1 << 30))
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any. The engine is unusable afterwards."""
+        if self._workers:
+            self.runner.stop_workers()
+            for proc in self._workers:
+                proc.join(timeout=30)
+            self._workers = []
+            destroy_group()
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -21,6 +21,10 @@ class LLM:
         self.engine = LLMEngine(self.engine_args.create_engine_config())
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Release tensor-parallel workers; needed only with tensor_parallel_size > 1."""
+        self.engine.shutdown()
+
     @property
     def tokenizer(self):  # noqa: ANN201 (transformers type)
         return self.engine.tokenizer

@@ -12,6 +12,7 @@ import torch
 from kvpilot.runtime.config import ModelConfig
 from kvpilot.runtime.model_source import load_preset
 from kvpilot.runtime.models.llama import LlamaConfig, LlamaForCausalLM
+from kvpilot.runtime.parallel import TPInfo
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -30,7 +31,26 @@ def hf_config_of(config: ModelConfig) -> dict[str, Any]:
     return result
 
 
-def safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+class SafetensorsSlice:
+    """One checkpoint tensor, read whole or in part (only the asked-for bytes leave the file)."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+        self.bytes_read = 0
+
+    def read(self, dim: int | None = None, start: int = 0, length: int = 0) -> torch.Tensor:
+        if dim is None:
+            t = self._slice[:]
+        elif dim == 0:
+            t = self._slice[start:start + length]
+        else:
+            t = self._slice[:, start:start + length]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
+def safetensors_weights(folder: Path) -> Iterator[tuple[str, SafetensorsSlice]]:
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
@@ -47,7 +67,7 @@ def safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, f.get_tensor(name)
+                yield name, SafetensorsSlice(f, name)
 
 
 def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
@@ -60,19 +80,20 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
             param.data.normal_(0.0, 0.02, generator=gen)  # HF's initializer_range
 
 
-def load_model(config: ModelConfig, device: str) -> tuple[LlamaForCausalLM, LlamaConfig]:
+def load_model(config: ModelConfig, device: str, tp: TPInfo | None = None) -> tuple[LlamaForCausalLM, LlamaConfig]:
+    """Build this rank's slice of the model on `device` and fill it."""
     cfg = LlamaConfig.from_hf(hf_config_of(config))
     dtype = resolve_dtype(config.dtype, device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
+            model = LlamaForCausalLM(cfg, tp)
     finally:
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)
     if config.load_format == "dummy":
-        _fill_dummy(model, config.seed)
+        _fill_dummy(model, config.seed + (tp.rank if tp else 0))
     else:
         with torch.no_grad():
             model.load_weights(safetensors_weights(Path(config.model)))

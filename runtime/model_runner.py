@@ -6,11 +6,15 @@ For sequence i with `c` tokens already computed and `n` new ones, rows qsl[i]:qs
 batch hold its tokens c..c+n-1, at positions c..c+n-1, written to slots taken from its block
 table; attention sees its whole context of c+n tokens. Only sequences whose chunk reaches their
 last token produce logits.
+
+Under tensor parallelism every rank has a runner over its slice of the model and KV cache; rank
+0's `execute` broadcasts the step's inputs and the other ranks' `follow` loop runs them.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +22,7 @@ from kvpilot.kernels import ops as kernel_ops
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.loader import load_model, resolve_dtype
 from kvpilot.runtime.models.llama import AttentionMetadata, cos_sin_cache
+from kvpilot.runtime.parallel import TPInfo
 from kvpilot.runtime.sampler import SampleResult, SamplingRow, sample
 from kvpilot.runtime.scheduler import ScheduledSeq
 
@@ -26,22 +31,38 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 
 
+@dataclass
+class StepInputs:
+    """One step's model inputs as plain lists: cheap to broadcast to the other ranks."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    block_tables: list[list[int]]
+    seq_lens: list[int]
+    query_start_loc: list[int]
+    logits_rows: list[int]
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TPInfo | None = None) -> None:
         self.config = config
-        self.device = torch.device(config.device.device)
-        self.dtype = resolve_dtype(config.model.dtype, config.device.device)
-        self.model, self.model_config = load_model(config.model, config.device.device)
+        self.tp = tp or TPInfo()
+        device = config.device.device
+        self.device = torch.device(f"cuda:{self.tp.rank}" if device == "cuda" else device)
+        self.dtype = resolve_dtype(config.model.dtype, device)
+        self.model, self.model_config = load_model(config.model, str(self.device), self.tp)
+        self.num_kv_heads = self.model.layers[0].num_kv_heads  # this rank's share
         self.ops = kernel_ops.select(self.device)
         self.rope = cos_sin_cache(self.model_config, config.model.max_model_len, self.device)
         self.block_size = config.cache.block_size
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
 
     @property
     def bytes_per_block(self) -> int:
         cfg = self.model_config
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        per_token = 2 * cfg.num_layers * self.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         return per_token * self.block_size
 
     def _num_kv_blocks(self) -> int:
@@ -75,22 +96,17 @@ class ModelRunner:
     def _forward_probe(self, num_tokens: int) -> None:
         """One prefill of `num_tokens` tokens over a throwaway one-sequence cache."""
         blocks = -(-num_tokens // self.block_size)
-        caches = self._allocate_kv_cache(blocks)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=self.device),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None, :],
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        self.kv_caches = self._allocate_kv_cache(blocks)
+        probe = StepInputs(input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
+                           slot_mapping=list(range(num_tokens)), block_tables=[list(range(blocks))],
+                           seq_lens=[num_tokens], query_start_loc=[0, num_tokens], logits_rows=[num_tokens - 1])
         with torch.inference_mode():
-            h = self.model(ids, torch.arange(num_tokens, device=self.device), caches, meta, self.rope, self.ops)
-            self.model.compute_logits(h[-1:])
-        del caches
+            self._run(probe)
+        del self.kv_caches
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model_config
-        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         return [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -100,6 +116,8 @@ class ModelRunner:
     def resize_kv_cache(self, block_size: int) -> None:
         """Re-cut the same KV memory into blocks of `block_size` (the cache's contents are lost:
         callers preempt every running sequence first)."""
+        if self.tp.size > 1 and self.tp.rank == 0:
+            self.tp.broadcast(("resize", block_size))
         total_bytes = self.num_blocks * self.bytes_per_block
         self.kv_caches = []
         if self.device.type == "cuda":
@@ -108,46 +126,64 @@ class ModelRunner:
         self.num_blocks = total_bytes // self.bytes_per_block
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
 
-    def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        qsl = [0]
-        logits_rows: list[int] = []
+        inputs = StepInputs([], [], [], [], [], [0], [])
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        tables = []
         for s in scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            qsl.append(qsl[-1] + s.num_new_tokens)
+            inputs.input_ids.extend(seq.token_ids[start:end])
+            inputs.positions.extend(range(start, end))
+            inputs.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            inputs.seq_lens.append(end)
+            inputs.query_start_loc.append(inputs.query_start_loc[-1] + s.num_new_tokens)
             if s.samples:
-                logits_rows.append(qsl[-1] - 1)
-            tables.append(table + [0] * (max_blocks - len(table)))
+                inputs.logits_rows.append(inputs.query_start_loc[-1] - 1)
+            inputs.block_tables.append(table + [0] * (max_blocks - len(table)))
+        return inputs
+
+    def _run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Forward pass on this rank; logits (num_logits_rows, vocab) or None when nothing samples."""
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(inputs.slot_mapping, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(inputs.block_tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(inputs.query_start_loc, dtype=torch.int32, device=dev),
         )
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta,
-                torch.tensor(logits_rows, dtype=torch.long, device=dev))
+        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.rope, self.ops)
+        if not inputs.logits_rows:
+            return None
+        rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], rows: list[SamplingRow]) -> SampleResult:
         """Run one step; `rows` are the sampling rows of the scheduled sequences that sample, in order."""
-        input_ids, positions, meta, logits_rows = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.rope, self.ops)
-        if not rows:
+        inputs = self._prepare(scheduled)
+        if self.tp.size > 1:
+            self.tp.broadcast(("step", inputs))
+        logits = self._run(inputs)
+        if logits is None:
             return SampleResult(token_ids=[], logprobs=[])
-        logits = self.model.compute_logits(hidden[logits_rows])
         return sample(logits, rows)
 
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks 1..N-1: run what rank 0 broadcasts until it says stop."""
+        while True:
+            command, payload = self.tp.broadcast()
+            if command == "step":
+                self._run(payload)
+            elif command == "resize":
+                self.resize_kv_cache(payload)
+            elif command == "stop":
+                return
+
+    def stop_workers(self) -> None:
+        if self.tp.size > 1 and self.tp.rank == 0:
+            self.tp.broadcast(("stop", None))

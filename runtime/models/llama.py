@@ -4,6 +4,8 @@
 Attention, KV writes, norms and rotary go through `kvpilot.kernels.ops`, so the same model runs
 the Triton kernels on CUDA and the reference ops on CPU. q/k/v and gate/up projections are fused
 into one matrix each (one GEMM instead of three/two); `load_weights` splits HF's tensors into them.
+Under tensor parallelism (parallel.py) each rank builds only its slice of every layer and reads
+only that slice from the checkpoint.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.runtime.models import architecture_of
+from kvpilot.runtime.parallel import TPInfo
 
 
 @dataclass(frozen=True)
@@ -106,57 +109,80 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # (num_seqs + 1,) int32
 
 
+class WeightSource(Protocol):
+    """A checkpoint tensor that can be read in part (safetensors slices read only what is asked)."""
+
+    shape: tuple[int, ...]
+
+    def read(self, dim: int | None = None, start: int = 0, length: int = 0) -> torch.Tensor: ...
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TPInfo) -> None:
         super().__init__()
-        self.cfg = cfg
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.cfg, self.tp = cfg, tp
+        self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")[1]
+        self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")[1]
+        self.intermediate = tp.split(cfg.intermediate_size, "intermediate_size")[1]
+        q, kv = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)  # column-parallel
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)  # row-parallel
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)  # column-parallel
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)  # row-parallel
         self.scale = cfg.head_dim ** -0.5
 
     def attention(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                   meta: AttentionMetadata, rope: torch.Tensor, ops: ModuleType) -> torch.Tensor:
-        cfg = self.cfg
-        num_tokens = h.shape[0]
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        num_tokens, head_dim = h.shape[0], self.cfg.head_dim
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         qkv = self.qkv_proj(h)  # (T, q + 2kv)
-        q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim).contiguous()
-        k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim).contiguous()
-        v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim).contiguous()
+        q = qkv[:, :q_size].reshape(num_tokens, self.num_heads, head_dim).contiguous()
+        k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, self.num_kv_heads, head_dim).contiguous()
+        v = qkv[:, q_size + kv_size:].reshape(num_tokens, self.num_kv_heads, head_dim).contiguous()
         ops.rotary_embedding(positions, q, k, rope)
         k_cache, v_cache = kv_cache
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                   meta.query_start_loc, self.scale)  # (T, H, D)
-        return self.o_proj(out.reshape(num_tokens, q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, q_size)))
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TPInfo | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.tp = tp = tp or TPInfo()
+        # vocabulary-parallel: rank r holds rows [r*V/N, (r+1)*V/N) of the padded vocabulary
+        self.vocab_per_rank = -(-cfg.vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.vocab_per_rank
+        self.embed_tokens = nn.Embedding(self.vocab_per_rank, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.vocab_per_rank, bias=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_per_rank)
+        h = self.embed_tokens(local.masked_fill(outside, 0))
+        h.masked_fill_(outside[:, None], 0.0)
+        return self.tp.all_reduce(h)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 rope: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """input_ids, positions (T,) -> final-normed hidden states (T, hidden)."""
         eps = self.cfg.rms_norm_eps
-        residual = self.embed_tokens(input_ids)  # (T, hidden)
+        residual = self.embed(input_ids)  # (T, hidden)
         h = ops.rms_norm(residual, self.layers[0].input_layernorm, eps)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast(list[DecoderLayer], self.layers)):
             if i > 0:
                 ops.fused_add_rms_norm(h, residual, layer.input_layernorm, eps)
             h = layer.attention(h, positions, kv_caches[i], meta, rope, ops)
@@ -166,61 +192,94 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32; every rank takes part under tensor parallelism."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # (N, vocab)
+        logits = self.tp.all_gather_last_dim(F.linear(hidden, weight))
+        return logits[:, :self.cfg.vocab_size].float()
 
-    # HF name suffix -> (our parameter suffix, shard index within the fused matrix)
+    # HF module -> (our fused parameter, shard index within it)
     _FUSED = {
         "self_attn.q_proj": ("qkv_proj", 0), "self_attn.k_proj": ("qkv_proj", 1),
         "self_attn.v_proj": ("qkv_proj", 2), "mlp.gate_proj": ("gate_up_proj", 0),
         "mlp.up_proj": ("gate_up_proj", 1),
     }
-    _RENAMED = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj"}
+    _ROW_PARALLEL = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj"}
 
-    def _fused_offset(self, fused: str, shard: int) -> tuple[int, int]:
-        cfg = self.cfg
-        if fused == "qkv_proj":
-            sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-        else:
-            sizes = [cfg.intermediate_size] * 2
-        return sum(sizes[:shard]), sizes[shard]
+    def _placement(self, name: str) -> Placement:
+        """Where the HF tensor `name` (without 'model.') goes, and which part of it this rank reads."""
+        cfg, tp = self.cfg, self.tp
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            length = max(0, min(self.vocab_per_rank, cfg.vocab_size - self.vocab_start))
+            return Placement(name, 0, 0, self.vocab_start, length, cfg.vocab_size)
+        if name == "norm.weight":
+            return Placement("norm")
+        parts = name.split(".", 2)
+        if len(parts) < 3 or parts[0] != "layers":
+            return Placement(name)
+        layer, rest = f"layers.{parts[1]}", parts[2]
+        if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            return Placement(f"{layer}.{rest.removesuffix('.weight')}")
+        module, kind = rest.rsplit(".", 1)
+        if module in self._ROW_PARALLEL:
+            ours = self._ROW_PARALLEL[module]
+            full = cfg.num_heads * cfg.head_dim if ours == "o_proj" else cfg.intermediate_size
+            start, length = tp.split(full, module)
+            return Placement(f"{layer}.{ours}.{kind}", 0, 1, start, length, full)
+        if module in self._FUSED:
+            fused, shard = self._FUSED[module]
+            if fused == "qkv_proj":
+                fulls = [n * cfg.head_dim for n in (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)]
+            else:
+                fulls = [cfg.intermediate_size] * 2
+            locals_ = [tp.split(f, module)[1] for f in fulls]
+            return Placement(f"{layer}.{fused}.{kind}", sum(locals_[:shard]), 0,
+                             tp.rank * locals_[shard], locals_[shard], fulls[shard])
+        return Placement(name)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the model; every parameter must be filled exactly once."""
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
+        """Copy this rank's part of each HF-named tensor into the model; every parameter row
+        must be filled exactly once."""
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
-        for hf_name, tensor in weights:
+        for hf_name, source in weights:
             name = hf_name.removeprefix("model.")
-            if name.endswith("rotary_emb.inv_freq"):
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue
-            target, rows = self._target(name)
-            if target not in params:
+            where = self._placement(name)
+            if where.target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for this {self.cfg.num_layers}-layer model")
-            param = params[target]
-            dest = param.data if rows is None else param.data.narrow(0, rows[0], rows[1])
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            filled[target] = filled.get(target, 0) + dest.shape[0]
-        missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+            param = params[where.target]
+            if where.dim is None:
+                dest, expected = param.data, tuple(param.shape)
+            elif where.dim == 0:
+                dest = param.data.narrow(0, where.row, where.length)
+                expected = (where.full, *param.shape[1:])
+            else:
+                dest = param.data
+                expected = (param.shape[0], where.full)
+            if tuple(source.shape) != expected:
+                raise ValueError(f"weight {hf_name!r} has shape {tuple(source.shape)}, the model expects {expected}")
+            dest.copy_(source.read() if where.dim is None else source.read(where.dim, where.start, where.length))
+            filled[where.target] = filled.get(where.target, 0) + dest.shape[0]
+        expected_rows = {n: p.shape[0] for n, p in params.items()}
+        real_vocab = max(0, min(self.vocab_per_rank, self.cfg.vocab_size - self.vocab_start))
+        for vocab_name in ("embed_tokens.weight", "lm_head.weight"):
+            if vocab_name in params:  # the last shard's padding rows hold no token
+                params[vocab_name].data[real_vocab:].zero_()
+                expected_rows[vocab_name] = real_vocab
+        missing = [n for n in params if filled.get(n, 0) != expected_rows[n]]
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {', '.join(sorted(missing)[:8])}")
 
-    def _target(self, name: str) -> tuple[str, tuple[int, int] | None]:
-        """HF parameter name (without 'model.') -> our name and the row range it fills."""
-        if not name.startswith("layers."):
-            simple = {"embed_tokens.weight": "embed_tokens.weight", "norm.weight": "norm", "lm_head.weight": "lm_head.weight"}
-            return simple.get(name, name), None
-        prefix, rest = name.split(".", 2)[:2], name.split(".", 2)[2]
-        layer = ".".join(prefix)
-        if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            return f"{layer}.{rest.removesuffix('.weight')}", None
-        module, kind = rest.rsplit(".", 1)
-        if module in self._FUSED:
-            fused, shard = self._FUSED[module]
-            return f"{layer}.{fused}.{kind}", self._fused_offset(fused, shard)
-        if module in self._RENAMED:
-            return f"{layer}.{self._RENAMED[module]}.{kind}", None
-        return name, None
+
+@dataclass(frozen=True)
+class Placement:
+    """A checkpoint tensor's destination: our parameter `target`, starting at `row`; when `dim`
+    is set, this rank reads `length` entries from `start` along that dim of a tensor `full` long."""
+
+    target: str
+    row: int = 0
+    dim: int | None = None
+    start: int = 0
+    length: int = 0
+    full: int = 0

@@ -3,7 +3,6 @@ and tiny random-weight models of each supported architecture, written as HF fold
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
