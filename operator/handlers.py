@@ -44,7 +44,7 @@ def _as_dict(body: Any) -> dict[str, Any]:
 def _report(body: Any, changes: list[Change]) -> None:
     for change in changes:
         metrics.CHILD_CHANGES.labels(kind=change.kind, action=change.action).inc()
-        kopf.info(body, reason=change.action, message=change.message)
+        kopf.event(body, type="Normal", reason=change.action, message=change.message)
 
 
 @contextmanager
@@ -73,7 +73,7 @@ def _give_up(body: Any, patch: kopf.Patch, message: str) -> None:
     current = dict(body.get("status") or {})
     generation = body.get("metadata", {}).get("generation", 0)
     patch.status.update(status_changes(current, invalid_spec_status(current, generation, message, now_iso())))
-    kopf.warn(body, reason="InvalidSpec", message=message)
+    kopf.event(body, type="Warning", reason="InvalidSpec", message=message)
     raise kopf.PermanentError(message)
 
 
@@ -89,7 +89,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         settings.persistence.finalizer = f"{GROUP}/finalizer"
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
-        settings.posting.level = logging.WARNING  # our Events are explicit; kopf's log lines are not Events
+        # Our Events are explicit (kopf.event); only kopf's own warnings become Events too.
+        settings.posting.level = logging.WARNING
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
         memo.kube = Kube.from_environment()

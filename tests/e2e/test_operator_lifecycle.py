@@ -1,0 +1,455 @@
+"""The real operator (kopf, its handlers, the client layer) against a Kubernetes API emulated
+over HTTP by kmock, with what kopf needs from a real API server added in a thin subclass:
+server-set metadata (uid, resourceVersion, generation, creationTimestamp), resumable watches,
+JSON-patch `test` failures as 422, status isolation, PUT, finalizer-driven deletion and
+injectable API errors. No controllers run: the tests play the Deployment controller by writing
+Deployment status, and there is no garbage collector (the operator deletes children itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import aiohttp.web
+import jsonpatch
+import kmock
+import kopf
+import kubernetes.config.kube_config
+import pytest
+
+from kvpilot.operator import handlers
+
+NS = "default"
+IS_PATH = f"/apis/serving.kvpilot.io/v1alpha1/namespaces/{NS}/inferenceservices"
+DEPLOYMENT_PATH = f"/apis/apps/v1/namespaces/{NS}/deployments"
+Key = tuple[str, str, str, str | None, str]  # group, version, plural, namespace, name
+STATUS_SUBRESOURCES = {"inferenceservices", "deployments"}
+
+
+@dataclass
+class Failure:
+    method: str
+    plural: str
+    status: int
+    times: int
+
+
+def _merge(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge(result.get(key), value)
+    return result
+
+
+class Emulator(kmock.KubernetesScaffold):
+    """A stateful API: objects, a global resourceVersion, an event log that watches resume from."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.store: dict[Key, dict[str, Any]] = {}
+        self.log: list[tuple[int, tuple[str, str, str], dict[str, Any]]] = []
+        self.rv = itertools.count(100)
+        self.last_rv = 100
+        self.changed = asyncio.Condition()
+        self.failures: list[Failure] = []
+        self.calls: list[tuple[str, str, str | None, str | None]] = []  # method, plural, name, subresource
+        self.resources.load_bundled()
+        self.resources["serving.kvpilot.io/v1alpha1/inferenceservices"] = kmock.ResourceInfo(
+            kind="InferenceService", singular="inferenceservice", namespaced=True, shortnames={"kvis"},
+            verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+            subresources={"status", "scale"})
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # kmock 0.8's path parser fails on the cluster-scoped `/api/v1/namespaces`: serve it here.
+        if raw_request.path == "/api/v1/namespaces":
+            namespaces = {"apiVersion": "v1", "kind": "NamespaceList",
+                          "metadata": {"resourceVersion": str(self.last_rv)},
+                          "items": [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}]}
+            if raw_request.query.get("watch") != "true":
+                return aiohttp.web.json_response(namespaces)
+            response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(raw_request)
+            with contextlib.suppress(asyncio.CancelledError, ConnectionResetError):
+                await asyncio.sleep(float(raw_request.query.get("timeoutSeconds") or 300))
+            return response
+        return await super().__call__(raw_request)
+
+    def writes(self, plural: str | None = None) -> list[tuple[str, str, str | None, str | None]]:
+        return [c for c in self.calls if c[0] in ("POST", "PUT", "PATCH", "DELETE")
+                and (plural is None or c[1] == plural)]
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        if request.resource is None or request.resource.plural is None:
+            return await super()._handle(request)
+        try:
+            return await self._serve(request)
+        except kmock.KubernetesError as exc:
+            return await self._render_error(exc)
+
+    async def _serve(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        res = request.resource
+        assert res is not None and res.plural is not None
+        method = str(request.method.value if hasattr(request.method, "value") else request.method).upper()
+        self.calls.append((method, res.plural, request.name, request.subresource))
+        if request.action != kmock.action.WATCH:
+            for failure in self.failures:
+                if failure.times > 0 and failure.method == method and failure.plural == res.plural:
+                    failure.times -= 1
+                    raise kmock.KubernetesError(status=failure.status, reason="Injected",
+                                                message=f"injected {failure.status}")
+        rkey = (str(res.group), str(res.version), res.plural)
+        if request.action == kmock.action.WATCH:
+            return await self._watch(request, rkey)
+        if request.action == kmock.action.LIST:
+            return aiohttp.web.json_response(self._list(request, rkey))
+        key: Key = (*rkey, request.namespace, request.name or "")
+        if method == "POST":
+            return aiohttp.web.json_response(await self._create(request, rkey), status=201)
+        if method == "GET":
+            return aiohttp.web.json_response(self._get(key))
+        if method in ("PUT", "PATCH"):
+            old = self._get(key)
+            new = self._replaced(old, request.data) if method == "PUT" else self._patched(old, request)
+            if request.subresource == "status":
+                new = {**old, "status": new.get("status", {})}
+            elif res.plural in STATUS_SUBRESOURCES and "status" in old:
+                new["status"] = old["status"]
+            return aiohttp.web.json_response(await self._update(key, old, new))
+        if method == "DELETE":
+            old = self._get(key)
+            if old["metadata"].get("finalizers"):
+                new = copy.deepcopy(old)
+                new["metadata"].setdefault("deletionTimestamp", _now())
+                return aiohttp.web.json_response(await self._update(key, old, new))
+            await self._remove(key, old)
+            return aiohttp.web.json_response(old)
+        raise kmock.KubernetesError(status=405, reason="MethodNotAllowed", message=method)
+
+    def _get(self, key: Key) -> dict[str, Any]:
+        if key not in self.store:
+            raise kmock.KubernetesError(status=404, reason="NotFound", message=f"{key[2]} {key[4]!r} not found")
+        return copy.deepcopy(self.store[key])
+
+    def _list(self, request: kmock.Request, rkey: tuple[str, str, str]) -> dict[str, Any]:
+        items = [copy.deepcopy(o) for k, o in self.store.items()
+                 if k[:3] == rkey and (request.namespace is None or k[3] == request.namespace)
+                 and _selected(o, request.params.get("labelSelector"))]
+        return {"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": str(self.last_rv)},
+                "items": items}
+
+    def _replaced(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+        sent = new.get("metadata", {}).get("resourceVersion")
+        if sent and sent != old["metadata"]["resourceVersion"]:
+            raise kmock.KubernetesError(status=409, reason="Conflict", message="the object has been modified")
+        new = copy.deepcopy(new)
+        for field in ("uid", "creationTimestamp", "generation", "deletionTimestamp"):
+            if field in old["metadata"]:
+                new["metadata"][field] = old["metadata"][field]
+        return new
+
+    def _patched(self, old: dict[str, Any], request: kmock.Request) -> dict[str, Any]:
+        if isinstance(request.data, list):
+            try:
+                return jsonpatch.apply_patch(old, request.data)  # type: ignore[no-any-return]
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
+                raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
+        return _merge(old, request.data or {})  # type: ignore[no-any-return]
+
+    async def _create(self, request: kmock.Request, rkey: tuple[str, str, str]) -> dict[str, Any]:
+        obj = copy.deepcopy(request.data)
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        meta["namespace"] = request.namespace or meta.get("namespace")
+        key: Key = (*rkey, meta["namespace"], meta["name"])
+        if key in self.store:
+            raise kmock.KubernetesError(status=409, reason="AlreadyExists", message=f"{meta['name']} exists")
+        meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now())
+        if obj.get("kind") == "Secret" and "stringData" in obj:  # the API server folds stringData into data
+            obj["data"] = {**obj.get("data", {}), **obj.pop("stringData")}
+        return await self._commit(key, "ADDED", obj)
+
+    async def _update(self, key: Key, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+        essence = {k: v for k, v in new.items() if k not in ("metadata", "status")}
+        if essence != {k: v for k, v in old.items() if k not in ("metadata", "status")}:
+            new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
+        if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
+            await self._remove(key, new)
+            return new
+        return await self._commit(key, "MODIFIED", new)
+
+    async def _commit(self, key: Key, event: str, obj: dict[str, Any]) -> dict[str, Any]:
+        self.last_rv = next(self.rv)
+        obj["metadata"]["resourceVersion"] = str(self.last_rv)
+        self.store[key] = obj
+        await self._publish(key, event, obj)
+        return copy.deepcopy(obj)
+
+    async def _remove(self, key: Key, obj: dict[str, Any]) -> None:
+        self.last_rv = next(self.rv)
+        self.store.pop(key, None)
+        await self._publish(key, "DELETED", obj)
+
+    async def _publish(self, key: Key, event: str, obj: dict[str, Any]) -> None:
+        self.log.append((self.last_rv, key[:3], {"type": event, "object": copy.deepcopy(obj)}))
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _watch(self, request: kmock.Request, rkey: tuple[str, str, str]) -> aiohttp.web.StreamResponse:
+        raw = request._raw_request
+        assert raw is not None
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(raw)
+        since = int(request.params.get("resourceVersion") or 0)
+        if not since:  # a watch without a version starts with the current objects
+            for item in self._list(request, rkey)["items"]:
+                await response.write(json.dumps({"type": "ADDED", "object": item}).encode() + b"\n")
+            since = self.last_rv
+        deadline = time.monotonic() + float(request.params.get("timeoutSeconds") or 300)
+        try:
+            while time.monotonic() < deadline:
+                for rv, resource, event in list(self.log):
+                    obj = event["object"]
+                    if rv > since and resource == rkey and \
+                            (request.namespace is None or obj["metadata"].get("namespace") == request.namespace) \
+                            and _selected(obj, request.params.get("labelSelector")):
+                        await response.write(json.dumps(event).encode() + b"\n")
+                since = max(since, self.last_rv)
+                async with self.changed:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.changed.wait(), timeout=1)
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        return response
+
+
+def _selected(obj: dict[str, Any], selector: str | None) -> bool:
+    labels = obj.get("metadata", {}).get("labels") or {}
+    for term in filter(None, (selector or "").split(",")):
+        key, _, value = term.partition("=")
+        if labels.get(key) != value:
+            return False
+    return True
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Cluster:
+    """The test's side: a client of the emulator, and the Deployment controller's stand-in."""
+
+    def __init__(self, emulator: Emulator, url: str, session: aiohttp.ClientSession) -> None:
+        self.emulator, self.url, self.session = emulator, url, session
+
+    async def request(self, method: str, path: str, body: Any = None,
+                      content_type: str = "application/merge-patch+json") -> Any:
+        async with self.session.request(method, self.url + path, data=json.dumps(body) if body is not None else None,
+                                        headers={"Content-Type": content_type}) as resp:
+            data = await resp.json(content_type=None)
+            assert resp.status < 300, data
+            return data
+
+    def get(self, plural: str, name: str) -> dict[str, Any] | None:
+        for (_, _, p, ns, n), obj in self.emulator.store.items():
+            if (p, ns, n) == (plural, NS, name):
+                return obj
+        return None
+
+    async def create_isvc(self, name: str, spec: dict[str, Any]) -> None:
+        body = {"apiVersion": "serving.kvpilot.io/v1alpha1", "kind": "InferenceService",
+                "metadata": {"name": name, "namespace": NS}, "spec": spec}
+        await self.request("POST", IS_PATH, body, "application/json")
+
+    async def patch_isvc(self, name: str, patch: dict[str, Any]) -> None:
+        await self.request("PATCH", f"{IS_PATH}/{name}", patch)
+
+    async def roll_out(self, name: str) -> None:
+        """What the Deployment controller and kubelet would report once every pod is ready."""
+        deployment = self.get("deployments", name)
+        assert deployment is not None
+        n = deployment["spec"]["replicas"]
+        status = {"observedGeneration": deployment["metadata"]["generation"], "replicas": n,
+                  "updatedReplicas": n, "readyReplicas": n, "availableReplicas": n}
+        await self.request("PATCH", f"{DEPLOYMENT_PATH}/{name}/status", {"status": status})
+
+    def condition(self, name: str, type_: str) -> tuple[str, str] | None:
+        obj = self.get("inferenceservices", name) or {}
+        for cond in obj.get("status", {}).get("conditions", []):
+            if cond["type"] == type_:
+                return cond["status"], cond["reason"]
+        return None
+
+    def events(self, name: str) -> list[tuple[str, str, str]]:
+        return [(o["type"], o["reason"], o["message"]) for k, o in self.emulator.store.items()
+                if k[2] == "events" and o.get("involvedObject", {}).get("name") == name]
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 15, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or check}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
+    async with Emulator() as emulator, kmock.Server(emulator) as server:
+        url = str(server.url).rstrip("/")
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+            "clusters": [{"name": "emulator", "cluster": {"server": url}}],
+            "users": [{"name": "tester", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}],
+        }))
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        async with aiohttp.ClientSession() as session:
+            yield Cluster(emulator, url, session)
+
+
+@contextlib.asynccontextmanager
+async def operator(resync_interval: float = 3600) -> AsyncIterator[None]:
+    """One run of `kvpilot operator --namespace default --standalone`, in this event loop."""
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, handlers.OperatorConfig(image="kvpilot:test", resync_interval=resync_interval))
+    settings = kopf.OperatorSettings()
+    settings.watching.reconnect_backoff = 0.1
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(kopf.operator(registry=registry, settings=settings, standalone=True,
+                                             namespaces=[NS], stop_flag=stop, ready_flag=ready))
+    await asyncio.wait_for(ready.wait(), timeout=20)
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=20)
+
+
+Check = Callable[[], Awaitable[None]]
+SPEC = {"model": {"source": "embedded"}, "resources": {"gpus": 1}}
+
+
+async def test_create_ready_update_scale_delete(cluster: Cluster) -> None:
+    async with operator():
+        await cluster.create_isvc("smol", SPEC)
+        for plural, name in (("deployments", "smol"), ("services", "smol"), ("secrets", "smol-admin"),
+                             ("poddisruptionbudgets", "smol")):
+            obj = await eventually(lambda p=plural, n=name: cluster.get(p, n), what=f"{plural}/{name}")
+            (ref,) = obj["metadata"]["ownerReferences"]
+            assert ref["uid"] == cluster.get("inferenceservices", "smol")["metadata"]["uid"]  # type: ignore[index]
+        await eventually(lambda: cluster.condition("smol", "Ready") == ("False", "ReplicasNotReady"),
+                         what="Ready=False while no pod is ready")
+        status = cluster.get("inferenceservices", "smol")["status"]  # type: ignore[index]
+        assert status["url"] == "http://smol.default.svc:8000"
+        assert status["observedGeneration"] == 1
+        assert status["selector"] == "app.kubernetes.io/name=kvpilot,serving.kvpilot.io/inferenceservice=smol"
+
+        await cluster.roll_out("smol")
+        await eventually(lambda: cluster.condition("smol", "Ready") == ("True", "AllReplicasReady"),
+                         what="Ready=True once the Deployment reports its pods ready")
+        assert cluster.get("inferenceservices", "smol")["status"]["readyReplicas"] == 1  # type: ignore[index]
+
+        await cluster.patch_isvc("smol", {"spec": {"engine": {"blockSize": 32}}})
+
+        def rolled() -> bool:
+            args = cluster.get("deployments", "smol")["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
+            return args[args.index("--block-size") + 1] == "32"
+
+        await eventually(rolled, what="the Deployment to carry --block-size 32")
+        await eventually(lambda: cluster.get("inferenceservices", "smol")["status"].get("observedGeneration") == 2,  # type: ignore[index]
+                         what="observedGeneration 2")
+        assert cluster.get("inferenceservices", "smol")["status"]["engine"]["blockSize"] == 32  # type: ignore[index]
+        assert cluster.condition("smol", "Progressing") == ("True", "RollingOut")
+
+        template = copy.deepcopy(cluster.get("deployments", "smol")["spec"]["template"])  # type: ignore[index]
+        await cluster.patch_isvc("smol", {"spec": {"replicas": 3}})  # what `kubectl scale` writes
+        await eventually(lambda: cluster.get("deployments", "smol")["spec"]["replicas"] == 3,  # type: ignore[index]
+                         what="3 replicas")
+        assert cluster.get("deployments", "smol")["spec"]["template"] == template  # type: ignore[index]
+
+        reasons = {reason for _, reason, _ in cluster.events("smol")}
+        assert {"Created", "Updated", "Scaled"} <= reasons
+
+        await cluster.request("DELETE", f"{IS_PATH}/smol")
+        await eventually(lambda: cluster.get("inferenceservices", "smol") is None, what="the IS to be gone")
+        for plural, name in (("deployments", "smol"), ("services", "smol"), ("secrets", "smol-admin"),
+                             ("poddisruptionbudgets", "smol")):
+            assert cluster.get(plural, name) is None, plural
+
+
+async def test_restart_changes_nothing(cluster: Cluster) -> None:
+    async with operator():
+        await cluster.create_isvc("smol", SPEC)
+        await eventually(lambda: cluster.get("deployments", "smol"))
+        await cluster.roll_out("smol")
+        await eventually(lambda: cluster.condition("smol", "Ready") == ("True", "AllReplicasReady"))
+        await asyncio.sleep(0.5)
+    before = copy.deepcopy(cluster.emulator.store)
+    writes_before = len(cluster.emulator.writes())
+    gets_before = cluster.emulator.calls.count(("GET", "deployments", "smol", None))
+
+    async with operator():
+        await eventually(lambda: cluster.emulator.calls.count(("GET", "deployments", "smol", None)) > gets_before,
+                         what="the resumed operator to look at the Deployment")
+        await asyncio.sleep(1.0)
+    new_writes = cluster.emulator.writes()[writes_before:]
+    assert [w for w in new_writes if w[1] != "events"] == []
+    assert {k: v for k, v in cluster.emulator.store.items() if k[2] != "events"} == \
+        {k: v for k, v in before.items() if k[2] != "events"}
+
+
+async def test_api_errors_are_retried_with_backoff(cluster: Cluster) -> None:
+    cluster.emulator.failures = [Failure("POST", "deployments", 500, 1), Failure("POST", "services", 409, 1),
+                                 Failure("GET", "secrets", 503, 1)]
+    async with operator():
+        await cluster.create_isvc("smol", SPEC)
+        await eventually(lambda: cluster.get("services", "smol"), timeout=20, what="the Service after retries")
+        assert cluster.get("deployments", "smol") is not None
+        assert all(f.times == 0 for f in cluster.emulator.failures)
+        await eventually(lambda: cluster.condition("smol", "Ready") is not None, what="status after retries")
+
+
+async def test_unworkable_spec_is_degraded_with_an_event(cluster: Cluster) -> None:
+    async with operator():
+        await cluster.create_isvc("s3", {"model": {"source": "s3://bucket/llama"}})
+        await eventually(lambda: cluster.condition("s3", "Degraded") == ("True", "InvalidSpec"),
+                         what="Degraded=True InvalidSpec")
+        await eventually(lambda: any(t == "Warning" and r == "InvalidSpec" and "s3://" in m
+                                     for t, r, m in cluster.events("s3")), what="a Warning Event")
+        assert cluster.get("deployments", "s3") is None
+        conditions = cluster.get("inferenceservices", "s3")["status"]["conditions"]  # type: ignore[index]
+        degraded = next(c for c in conditions if c["type"] == "Degraded")
+        assert "unsupported scheme 's3://'" in degraded["message"]
+
+
+async def test_a_deleted_deployment_is_recreated_by_the_resync(cluster: Cluster) -> None:
+    async with operator(resync_interval=1):
+        await cluster.create_isvc("smol", SPEC)
+        await eventually(lambda: cluster.get("deployments", "smol"))
+        await cluster.request("DELETE", f"{DEPLOYMENT_PATH}/smol")
+        await eventually(lambda: cluster.get("deployments", "smol"), timeout=10, what="the Deployment back")
