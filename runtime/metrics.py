@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import time
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
 from kvpilot.runtime.async_engine import EngineSnapshot
 from kvpilot.runtime.engine import LLMEngine, StepStats
 from kvpilot.runtime.outputs import RequestOutput
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 logger = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from kvpilot.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from kvpilot.runtime.engine import RequestError
 from kvpilot.runtime.outputs import CompletionOutput, RequestOutput, SampleLogprobs

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from kvpilot.runtime.sampling_params import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field
+
+from kvpilot.runtime.sampling_params import SamplingParams
 
 
 class APIError(Exception):

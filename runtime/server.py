@@ -27,12 +27,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from kvpilot.runtime.async_engine import AsyncEngine
 from kvpilot.runtime.engine import LLMEngine
 from kvpilot.runtime.metrics import ServerMetrics
 from kvpilot.runtime.openai_serving import OpenAIServing
 from kvpilot.runtime.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +66,14 @@ class ServerState:
 
     def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
         self.config = config
+        self.draining = False
+        self.started = False
         self.model_name = engine.config.model.served_model_name
         self.max_model_len = engine.config.model.max_model_len
         self.device = engine.config.device.device
         self.metrics = ServerMetrics(self.model_name)
         self.engine = AsyncEngine(engine, max_queue_len=config.max_queue_len, on_step=self.metrics.record)
         self.serving = OpenAIServing(self.engine, engine.tokenizer, self.model_name, lambda: self.draining)
-        self.draining = False
-        self.started = False
 
     async def drain(self) -> None:
         """Stop admitting; let admitted requests finish within the grace period; abort the rest."""

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
 from kvpilot.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from kvpilot.runtime.engine import RequestError
 from kvpilot.runtime.outputs import CompletionOutput, RequestOutput
