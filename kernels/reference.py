@@ -53,21 +53,25 @@ def paged_attention(
     lens = seq_lens.tolist()
     decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
     if decode:
-        rows = torch.tensor([starts[i] for i in decode], device=q.device)
+        all_decode = len(decode) == len(lens) == num_tokens
         ctx = [lens[i] for i in decode]
         max_len = max(ctx)
         block_size = k_cache.shape[1]
         nb = -(-max_len // block_size)
-        table = block_tables[decode, :nb].long()
-        k = k_cache[table].flatten(1, 2)[:, :max_len]  # (B, L, Hk, D)
-        v = v_cache[table].flatten(1, 2)[:, :max_len]
+        table = (block_tables if all_decode else block_tables[decode])[:, :nb].long().flatten()
+        # index_select on the block dim: one contiguous copy of each sequence's blocks
+        k = k_cache.index_select(0, table).view(len(decode), nb * block_size, num_kv_heads, head_dim)[:, :max_len]
+        v = v_cache.index_select(0, table).view(len(decode), nb * block_size, num_kv_heads, head_dim)[:, :max_len]
         mask = torch.arange(max_len, device=q.device)[None, :] < torch.tensor(ctx, device=q.device)[:, None]
+        rows = None if all_decode else torch.tensor([starts[i] for i in decode], device=q.device)
         o = F.scaled_dot_product_attention(
-            q[rows].unsqueeze(2),  # (B, H, 1, D)
+            (q if rows is None else q[rows]).unsqueeze(2),  # (B, H, 1, D)
             k.transpose(1, 2), v.transpose(1, 2),  # (B, Hk, L, D)
             attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa,
-        )
-        out[rows] = o.squeeze(2)
+        ).squeeze(2)
+        if rows is None:
+            return o
+        out[rows] = o
     for i in range(len(lens)):
         q_len = starts[i + 1] - starts[i]
         if q_len == 1 or q_len == 0:
