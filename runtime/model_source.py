@@ -86,12 +86,16 @@ def _has_tokenizer(folder: Path) -> bool:
     return (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file()
 
 
+def _is_converted(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
 def convert_gguf(gguf_path: Path) -> Path:
     """De-quantise a GGUF file into a cached Hugging Face folder; reuse it while the file is unchanged."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
-    if (target / "config.json").is_file() and list(target.glob("*.safetensors")):
+    if _is_converted(target):
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -107,9 +111,13 @@ def convert_gguf(gguf_path: Path) -> Path:
             raise ModelSourceError(f"cannot read GGUF file {gguf_path}: {exc}") from exc
         _save_dequantised(model, tmp)
         tokenizer.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+        if target.exists() and not _is_converted(target):
+            shutil.rmtree(target)  # a broken leftover
+        try:
+            tmp.rename(target)  # atomic: readers see all of it or nothing
+        except OSError:
+            if not _is_converted(target):  # else another process converted it first: use theirs
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
