@@ -220,9 +220,10 @@ class Bench:
                         of_copy=kv_bytes / ms / 1e9 / copy_rate)
 
     def _prefill_case(self, group: str, specs: list[tuple[int, int]], flops: float) -> None:
-        from kvpilot.kernels.paged_attention import PrefillConfig, paged_attention_with
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.attention.bias import causal_lower_right
+
+        from kvpilot.kernels.paged_attention import PrefillConfig, paged_attention_with
 
         heads, kv_heads, d = 32, 8, 128
         scale = d ** -0.5

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from kvpilot.kernels.checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor
 
 

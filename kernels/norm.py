@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from kvpilot.kernels.checks import FLOAT_DTYPES, check_contiguous, check_shape, check_tensor
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from kvpilot.kernels.checks import (
     FLOAT_DTYPES,
     check_contiguous,
@@ -41,22 +42,25 @@ from kvpilot.kernels.checks import (
 
 LOG2E = 1.4426950408889634
 MAX_GROUP = 16
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 128
 
 
+# Defaults picked by `benchmarks/bench_kernels.py --sweep` on an H200 (see benchmarks/RESULTS.md):
+# decode B=64 x 2048 ran 0.149 ms with these against 0.163 ms with (64, 4, 3); prefill 8 x 1024
+# ran 0.285 ms against 0.323 ms with (128, 64, 8, 2).
 @dataclass(frozen=True)
 class DecodeConfig:
-    block_n: int = 64  # context tokens per K/V tile (several cache blocks when block_size < it)
+    block_n: int = 128  # context tokens per K/V tile (several cache blocks when block_size < it)
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    block_m: int = 128  # query rows per tile: (block_m // group) tokens x group heads
+    block_m: int = 64  # query rows per tile: (block_m // group) tokens x group heads
     block_n: int = 64
-    num_warps: int = 8
-    num_stages: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 def _interpreting() -> bool:
@@ -265,7 +269,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
     programs = num_seqs * num_kv_heads
     if programs >= 2 * sms:
         return 1
-    by_occupancy = triton.cdiv(4 * sms, programs)
+    # about two programs per SM: on an H200, B=4 x 32k ran 0.150 ms with 8 slices, 0.155 with 16
+    by_occupancy = triton.cdiv(2 * sms, programs)
     by_length = triton.cdiv(max_context, 512)  # keep each slice long enough to stream
     return max(1, min(by_occupancy, by_length, 64))
 
@@ -331,7 +336,7 @@ def paged_attention_with(
     interp = _interpreting()
     decode = decode or (DecodeConfig(block_n=16, num_stages=1) if interp else DecodeConfig())
     prefill = prefill or (PrefillConfig(block_m=32, block_n=16, num_stages=1) if interp
-                          else PrefillConfig(block_m=64 if head_dim > 128 else 128))
+                          else PrefillConfig())
     cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
     all_decode = num_tokens == num_seqs
     max_context = block_tables.shape[1] * block_size  # an upper bound known without a sync

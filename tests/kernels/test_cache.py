@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvpilot.kernels import reference
 from kvpilot.kernels.cache import write_kv_cache
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvpilot.kernels import ops, reference, triton_ops
 
 

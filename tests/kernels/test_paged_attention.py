@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from kvpilot.kernels import reference
 from kvpilot.kernels.paged_attention import paged_attention, paged_attention_with
 
