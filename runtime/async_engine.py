@@ -162,6 +162,26 @@ class AsyncEngine:
         self._inbox.put(_Call(fn, result))
         return await result
 
+    async def swap_engine(self, build: Callable[[], LLMEngine]) -> None:
+        """Replace the engine, on the engine thread, while no request is in flight. The old engine
+        is released before `build` runs, so two never hold device memory at once; if `build`
+        fails, the old configuration is loaded again and the error is raised."""
+        def swap(old: LLMEngine) -> None:
+            from kvpilot.runtime.engine import LLMEngine
+
+            old_config = old.config
+            self.engine = None  # type: ignore[assignment]
+            del old
+            _release_memory()
+            try:
+                self.engine = build()
+            except BaseException:
+                _release_memory()
+                self.engine = LLMEngine(old_config)
+                raise
+
+        await self.call(swap)
+
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no admitted request is left; False if `timeout` passes first."""
         deadline = time.monotonic() + timeout
@@ -298,3 +318,13 @@ class AsyncEngine:
         self.snapshot = self._take_snapshot()
         if self.on_step is not None:
             self.on_step(self.engine, outputs, self.snapshot, stats)
+
+
+def _release_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -32,11 +32,11 @@ ChoiceBuilder = Callable[[CompletionOutput, int, int], dict[str, Any]]
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
-                 is_draining: Callable[[], bool]) -> None:
+                 unavailable: Callable[[], APIError | None]) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.is_draining = is_draining
+        self.unavailable = unavailable  # why the server takes no new requests now, if it doesn't
 
     # ---- endpoints -------------------------------------------------------------------------
 
@@ -80,9 +80,9 @@ class OpenAIServing:
     async def _serve(self, request_id: str, prompt: str | list[int], params: SamplingParams, raw: Request,
                      stream: bool, include_usage: bool, continuous_usage: bool, kind: str,
                      choice: ChoiceBuilder) -> Response:
-        if self.is_draining():
-            raise APIError(503, "the server is shutting down and takes no new requests; retry on another replica",
-                           type="service_unavailable_error", code="draining")
+        refusal = self.unavailable()
+        if refusal is not None:
+            raise refusal
         outputs = await self._admit(request_id, prompt, params)
         created = int(time.time())
         if stream:

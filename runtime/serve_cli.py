@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
             metric_interval=args.metric_interval, drain_timeout=args.drain_timeout,
             allowed_model_root=args.allowed_model_root,
         )
-        engine_config = EngineArgs.from_cli(args).create_engine_config()
+        engine_args = EngineArgs.from_cli(args)
+        engine_config = engine_args.create_engine_config()
     except (ValueError, ModelSourceError) as e:
         print(f"kvpilot serve: error: {_as_flag(str(e))}", file=sys.stderr)
         return 2
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.runtime.engine import LLMEngine
     from kvpilot.runtime.server import make_server
 
-    server = make_server(LLMEngine(engine_config), server_config, log_level=args.log_level)
+    server = make_server(LLMEngine(engine_config), server_config, log_level=args.log_level, engine_args=engine_args)
     server.run()
     return 0
 

@@ -1,8 +1,8 @@
 """The HTTP server of `kvpilot serve`: FastAPI routes over an `AsyncEngine`.
 
 Routes and their contract are in ARCHITECTURE.md ("HTTP contract"); the OpenAI endpoints'
-logic lives in openai_serving.py. Every error a client can cause leaves through one place,
-`_error_response`, as OpenAI's error JSON (docs/errors.md lists them).
+logic lives in openai_serving.py, the admin endpoints in admin.py, and every error a client can
+cause leaves through http_errors.py as OpenAI's error JSON (docs/errors.md lists them).
 
 *Draining* (SIGTERM): new requests get 503 and `/ready` turns false while admitted requests
 finish, bounded by `drain_timeout`; then whatever is left is aborted and uvicorn exits.
@@ -11,7 +11,6 @@ finish, bounded by `drain_timeout`; then whatever is left is aborted and uvicorn
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import signal
@@ -25,12 +24,13 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvpilot.runtime.admin import add_admin_routes
+from kvpilot.runtime.args import EngineArgs
 from kvpilot.runtime.async_engine import AsyncEngine
 from kvpilot.runtime.engine import LLMEngine
+from kvpilot.runtime.http_errors import add_error_handlers, check_token
 from kvpilot.runtime.metrics import ServerMetrics
 from kvpilot.runtime.openai_serving import OpenAIServing
 from kvpilot.runtime.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -64,16 +64,35 @@ class ServerConfig:
 class ServerState:
     """What the routes share: the engine front, metrics, and the draining flag."""
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: LLMEngine, config: ServerConfig, engine_args: EngineArgs | None = None) -> None:
         self.config = config
+        self.engine_args = engine_args  # what /reload changes the model of; None: no reloads
         self.draining = False
+        self.reloading = False
         self.started = False
+        self.device = engine.config.device.device
+        self.metrics = ServerMetrics(engine.config.model.served_model_name)
+        self.engine = AsyncEngine(engine, max_queue_len=config.max_queue_len, on_step=self.metrics.record)
+        self.serving = OpenAIServing(self.engine, engine.tokenizer, self.metrics.model_name, self._refusal)
+        self.set_model(engine)
+
+    def set_model(self, engine: LLMEngine) -> None:
         self.model_name = engine.config.model.served_model_name
         self.max_model_len = engine.config.model.max_model_len
-        self.device = engine.config.device.device
-        self.metrics = ServerMetrics(self.model_name)
-        self.engine = AsyncEngine(engine, max_queue_len=config.max_queue_len, on_step=self.metrics.record)
-        self.serving = OpenAIServing(self.engine, engine.tokenizer, self.model_name, lambda: self.draining)
+        self.serving.model_name = self.model_name
+        self.serving.tokenizer = engine.tokenizer
+        if self.metrics.model_name != self.model_name:
+            self.metrics = ServerMetrics(self.model_name)
+            self.engine.on_step = self.metrics.record
+
+    def _refusal(self) -> APIError | None:
+        if self.draining:
+            return APIError(503, "the server is shutting down and takes no new requests; retry on another replica",
+                            type="service_unavailable_error", code="draining")
+        if self.reloading:
+            return APIError(503, "the server is loading a new model; retry in a moment",
+                            type="service_unavailable_error", code="reloading")
+        return None
 
     async def drain(self) -> None:
         """Stop admitting; let admitted requests finish within the grace period; abort the rest."""
@@ -102,61 +121,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvpilot", lifespan=lifespan)
     app.state.kvpilot = state
-    _add_error_handlers(app)
+    add_error_handlers(app)
     _add_openai_routes(app, state)
     _add_ops_routes(app, state)
-    _add_admin_routes(app, state)
+    add_admin_routes(app, state)
     return app
-
-
-# ---- errors ----------------------------------------------------------------------------------
-
-def _error_response(error: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return _error_response(error)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        # FastAPI answers 422; OpenAI (and the contract) say 400 for any invalid body
-        first = error.errors()[0] if error.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
-            return _error_response(APIError(400, message, code="invalid_json"))
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", error))
-        return _error_response(APIError(400, message, param=param, code="invalid_value"))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        if error.status_code == 404:
-            return _error_response(APIError(404, f"no such endpoint: {error.detail}", type="not_found_error",
-                                            code="not_found"))
-        return _error_response(APIError(error.status_code, str(error.detail), code="invalid_request"))
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, error: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return _error_response(APIError(500, f"internal server error: {error!r}", type="internal_error", code="internal_error"))
-
-
-def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
-
-
-def _check_token(request: Request, expected: str, what: str) -> None:
-    token = _bearer(request)
-    if token is None or not hmac.compare_digest(token.encode(), expected.encode()):
-        raise APIError(401, f"missing or wrong {what}: send 'Authorization: Bearer <{what}>'",
-                       type="authentication_error", code=f"invalid_{what.replace(' ', '_')}")
 
 
 # ---- routes ----------------------------------------------------------------------------------
@@ -164,7 +133,7 @@ def _check_token(request: Request, expected: str, what: str) -> None:
 def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     def authorize(request: Request) -> None:
         if state.config.api_key is not None:
-            _check_token(request, state.config.api_key, "api key")
+            check_token(request, state.config.api_key, "api key")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -198,6 +167,7 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             "num_free_blocks": snap.num_free_blocks,
             "num_blocks": snap.num_blocks,
             "draining": state.draining,
+            "reloading": state.reloading,
             "device": _device_memory(state.device),
         }
         if not state.engine.is_alive:
@@ -217,8 +187,9 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        if state.draining:
-            return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
+        if state.draining or state.reloading:
+            reason = "draining" if state.draining else "reloading"
+            return JSONResponse({"ready": False, "reason": reason}, status_code=503)
         if not state.engine.is_alive:
             return JSONResponse({"ready": False, "reason": "engine not running"}, status_code=503)
         return JSONResponse({"ready": True, "model": state.model_name})
@@ -230,56 +201,6 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.expose(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-def _add_admin_routes(app: FastAPI, state: ServerState) -> None:
-    def authorize(request: Request) -> None:
-        token = state.config.admin_token
-        if token is None:
-            raise APIError(404, "admin endpoints are disabled: start the server with --admin-token "
-                           "(or KVPILOT_ADMIN_TOKEN)", type="not_found_error", code="admin_disabled")
-        _check_token(request, token, "admin token")
-
-    @app.get("/admin/config")
-    async def get_config(request: Request) -> dict[str, Any]:
-        authorize(request)
-        return await state.engine.call(_live_config)
-
-    @app.post("/admin/config")
-    async def post_config(request: Request) -> dict[str, Any]:
-        authorize(request)
-        try:
-            changes = await request.json()
-        except ValueError:
-            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-        if not isinstance(changes, dict) or not changes:
-            raise APIError(400, "send a JSON object of tunables, e.g. {\"block_size\": 32}", code="invalid_value")
-        started = time.perf_counter()
-        try:
-            applied = await state.engine.call(lambda engine: engine.update_config(changes))
-        except ValueError as e:
-            message = str(e)
-            head = message.partition(":")[0]
-            raise APIError(400, message, param=head if head.isidentifier() else None, code="invalid_value") from None
-        duration = time.perf_counter() - started
-        if applied:
-            state.metrics.record_config_change()
-        config = await state.engine.call(_live_config)
-        return {"applied": applied, "duration_s": round(duration, 6), "config": config}
-
-    @app.post("/reload")
-    async def reload(request: Request) -> Response:
-        authorize(request)
-        raise APIError(501, "hot-swapping the model is not implemented yet: roll the deployment out with the "
-                       "new model instead", type="not_implemented_error", code="not_implemented")
-
-
-def _live_config(engine: LLMEngine) -> dict[str, Any]:
-    c = engine.config
-    return {"block_size": c.cache.block_size, "preemption_mode": c.scheduler.preemption_mode,
-            "scheduler_policy": c.scheduler.policy, "max_num_seqs": c.scheduler.max_num_seqs,
-            "max_num_batched_tokens": c.scheduler.max_num_batched_tokens,
-            "max_model_len": c.model.max_model_len, "num_blocks": engine.block_manager.num_blocks}
 
 
 def _device_memory(device: str) -> dict[str, Any]:
@@ -349,8 +270,9 @@ class DrainingServer(uvicorn.Server):
             self._drain_task = asyncio.ensure_future(drain_then_exit())
 
 
-def make_server(engine: LLMEngine, config: ServerConfig, log_level: str = "info") -> DrainingServer:
-    state = ServerState(engine, config)
+def make_server(engine: LLMEngine, config: ServerConfig, log_level: str = "info",
+                engine_args: EngineArgs | None = None) -> DrainingServer:
+    state = ServerState(engine, config, engine_args)
     uv_config = uvicorn.Config(build_app(state), host=config.host, port=config.port, log_level=log_level,
                                timeout_graceful_shutdown=max(1, int(config.drain_timeout)))
     return DrainingServer(uv_config, state)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +22,8 @@ LONG = {"model": MODEL, "prompt": "Count to one hundred:", "max_tokens": 400, "i
 
 @pytest.fixture(scope="module")
 def server(smol_folder: str) -> Iterator[RunningServer]:
-    running = start_server({"max_model_len": 1024, "max_num_seqs": 2}, admin_token=ADMIN, max_queue_len=2)
+    running = start_server({"max_model_len": 1024, "max_num_seqs": 2}, admin_token=ADMIN, max_queue_len=2,
+                           allowed_model_root=str(Path(smol_folder).parent))
     yield running
     running.stop()
 
@@ -176,7 +178,28 @@ def test_live_block_size_change_keeps_a_running_request(server: RunningServer, c
     assert _admin(server, "POST", {"block_size": 16, "max_num_seqs": 2}).status_code == 200
 
 
-def test_reload_is_not_implemented_yet(server: RunningServer) -> None:
-    response = httpx.post(f"{server.base_url}/reload", json={"model_path": "/x"},
-                          headers={"Authorization": f"Bearer {ADMIN}"})
-    assert response.status_code == 501 and "not implemented" in response.json()["error"]["message"]
+def _reload(server: RunningServer, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/reload", json=body, headers={"Authorization": f"Bearer {ADMIN}"},
+                      timeout=120)
+
+
+def test_reload_refuses_paths_outside_the_allowed_root(server: RunningServer) -> None:
+    response = _reload(server, {"model_path": "/etc"})
+    assert response.status_code == 403 and response.json()["error"]["code"] == "path_not_allowed"
+    response = _reload(server, {"model_path": f"{server.state.config.allowed_model_root}/../../etc"})
+    assert response.status_code == 403
+
+
+def test_reload_swaps_the_model_between_requests(server: RunningServer, client: openai.OpenAI,
+                                                 smol_folder: str) -> None:
+    reply = _reload(server, {"model_path": smol_folder, "served_model_name": "smol-reloaded"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["model"] == "smol-reloaded"
+    assert [m.id for m in client.models.list().data] == ["smol-reloaded"]
+    answer = client.chat.completions.create(model="smol-reloaded", temperature=0, max_tokens=16,
+                                            messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert answer.choices[0].message.content == "The capital of France is Paris."
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert 'model_name="smol-reloaded"' in httpx.get(f"{server.base_url}/metrics").text
+    assert _reload(server, {"model_path": smol_folder, "served_model_name": MODEL}).status_code == 200

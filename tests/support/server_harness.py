@@ -47,10 +47,11 @@ def start_server(engine_args: dict[str, Any], **server_config: Any) -> RunningSe
     from kvpilot.runtime.engine import LLMEngine
     from kvpilot.runtime.server import ServerConfig, make_server
 
-    engine = LLMEngine(EngineArgs(**engine_args).create_engine_config())
+    args = EngineArgs(**engine_args)
+    engine = LLMEngine(args.create_engine_config())
     port = free_port()
     server = make_server(engine, ServerConfig(port=port, disable_log_stats=True, **server_config),
-                         log_level="warning")
+                         log_level="warning", engine_args=args)
     thread = threading.Thread(target=server.run, name="test-server", daemon=True)
     thread.start()
     running = RunningServer(f"http://127.0.0.1:{port}", server, thread)

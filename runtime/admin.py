@@ -1,0 +1,110 @@
+"""Admin endpoints (Bearer `--admin-token`; 404 when no token is set): `GET/POST /admin/config`
+re-tunes the live engine between steps without dropping a request, and `POST /reload` swaps the
+served model for one under `--allowed-model-root`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+
+from kvpilot.runtime.engine import LLMEngine
+from kvpilot.runtime.http_errors import check_token
+from kvpilot.runtime.protocol import APIError
+
+if TYPE_CHECKING:
+    from kvpilot.runtime.server import ServerState
+
+
+def add_admin_routes(app: FastAPI, state: ServerState) -> None:
+    def authorize(request: Request) -> None:
+        token = state.config.admin_token
+        if token is None:
+            raise APIError(404, "admin endpoints are disabled: start the server with --admin-token "
+                           "(or KVPILOT_ADMIN_TOKEN)", type="not_found_error", code="admin_disabled")
+        check_token(request, token, "admin token")
+
+    @app.get("/admin/config")
+    async def get_config(request: Request) -> dict[str, Any]:
+        authorize(request)
+        return await state.engine.call(_live_config)
+
+    @app.post("/admin/config")
+    async def post_config(request: Request) -> dict[str, Any]:
+        authorize(request)
+        try:
+            changes = await request.json()
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        if not isinstance(changes, dict) or not changes:
+            raise APIError(400, "send a JSON object of tunables, e.g. {\"block_size\": 32}", code="invalid_value")
+        started = time.perf_counter()
+        try:
+            applied = await state.engine.call(lambda engine: engine.update_config(changes))
+        except ValueError as e:
+            message = str(e)
+            head = message.partition(":")[0]
+            raise APIError(400, message, param=head if head.isidentifier() else None, code="invalid_value") from None
+        duration = time.perf_counter() - started
+        if applied:
+            state.metrics.record_config_change()
+        config = await state.engine.call(_live_config)
+        return {"applied": applied, "duration_s": round(duration, 6), "config": config}
+
+    @app.post("/reload")
+    async def reload(request: Request) -> dict[str, Any]:
+        authorize(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+            raise APIError(400, "send {\"model_path\": \"/path/under/allowed-model-root\"}", param="model_path",
+                           code="invalid_value")
+        name = body.get("served_model_name")
+        if name is not None and not isinstance(name, str):
+            raise APIError(400, "served_model_name must be a string", param="served_model_name", code="invalid_value")
+        return await reload_model(state, body["model_path"], name)
+
+
+def _live_config(engine: LLMEngine) -> dict[str, Any]:
+    c = engine.config
+    return {"block_size": c.cache.block_size, "preemption_mode": c.scheduler.preemption_mode,
+            "scheduler_policy": c.scheduler.policy, "max_num_seqs": c.scheduler.max_num_seqs,
+            "max_num_batched_tokens": c.scheduler.max_num_batched_tokens,
+            "max_model_len": c.model.max_model_len, "num_blocks": engine.block_manager.num_blocks}
+
+
+async def reload_model(state: ServerState, model_path: str, served_model_name: str | None) -> dict[str, Any]:
+    """Swap the served model: refuse new requests, let admitted ones finish (bounded by
+    drain_timeout), then replace the engine between steps."""
+    root = state.config.allowed_model_root
+    if state.engine_args is None or root is None:
+        raise APIError(403, "reloading is disabled: start the server with --allowed-model-root",
+                       type="permission_error", code="reload_disabled")
+    real_root, path = os.path.realpath(root), os.path.realpath(model_path)
+    if os.path.commonpath([real_root, path]) != real_root:
+        raise APIError(403, f"model_path must lie inside --allowed-model-root ({root})",
+                       type="permission_error", param="model_path", code="path_not_allowed")
+    if state.reloading or state.draining:
+        raise APIError(409, "a reload or a drain is already in progress", code="conflict")
+    args = dataclasses.replace(state.engine_args, model=path, served_model_name=served_model_name)
+    try:
+        new_config = await asyncio.get_running_loop().run_in_executor(None, args.create_engine_config)
+    except ValueError as e:  # ModelSourceError included
+        raise APIError(400, str(e), param="model_path", code="invalid_model") from None
+    state.reloading = True
+    try:
+        started = time.perf_counter()
+        if not await state.engine.wait_idle(state.config.drain_timeout):
+            state.engine.abort_all()
+        await state.engine.swap_engine(lambda: LLMEngine(new_config))
+        state.engine_args = args
+        state.set_model(state.engine.engine)
+        return {"model": state.model_name, "model_path": path, "duration_s": round(time.perf_counter() - started, 3)}
+    finally:
+        state.reloading = False
