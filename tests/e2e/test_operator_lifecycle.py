@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -350,7 +351,6 @@ async def operator(resync_interval: float = 3600) -> AsyncIterator[None]:
         await asyncio.wait_for(task, timeout=20)
 
 
-Check = Callable[[], Awaitable[None]]
 SPEC = {"model": {"source": "embedded"}, "resources": {"gpus": 1}}
 
 
@@ -359,7 +359,7 @@ async def test_create_ready_update_scale_delete(cluster: Cluster) -> None:
         await cluster.create_isvc("smol", SPEC)
         for plural, name in (("deployments", "smol"), ("services", "smol"), ("secrets", "smol-admin"),
                              ("poddisruptionbudgets", "smol")):
-            obj = await eventually(lambda p=plural, n=name: cluster.get(p, n), what=f"{plural}/{name}")
+            obj = await eventually(functools.partial(cluster.get, plural, name), what=f"{plural}/{name}")
             (ref,) = obj["metadata"]["ownerReferences"]
             assert ref["uid"] == cluster.get("inferenceservices", "smol")["metadata"]["uid"]  # type: ignore[index]
         await eventually(lambda: cluster.condition("smol", "Ready") == ("False", "ReplicasNotReady"),
