@@ -29,6 +29,7 @@ import kmock
 import kopf
 import kubernetes.config.kube_config
 import pytest
+from prometheus_client import REGISTRY
 
 from kvpilot.operator import handlers
 
@@ -424,6 +425,7 @@ async def test_restart_changes_nothing(cluster: Cluster) -> None:
 
 
 async def test_api_errors_are_retried_with_backoff(cluster: Cluster) -> None:
+    retries_before = REGISTRY.get_sample_value("kvpilot_operator_reconciles_total", {"result": "retry"}) or 0
     cluster.emulator.failures = [Failure("POST", "deployments", 500, 1), Failure("POST", "services", 409, 1),
                                  Failure("GET", "secrets", 503, 1)]
     async with operator():
@@ -432,6 +434,9 @@ async def test_api_errors_are_retried_with_backoff(cluster: Cluster) -> None:
         assert cluster.get("deployments", "smol") is not None
         assert all(f.times == 0 for f in cluster.emulator.failures)
         await eventually(lambda: cluster.condition("smol", "Ready") is not None, what="status after retries")
+    retries = REGISTRY.get_sample_value("kvpilot_operator_reconciles_total", {"result": "retry"}) or 0
+    assert retries - retries_before == 3  # the operator's /metrics counts them
+    assert (REGISTRY.get_sample_value("kvpilot_operator_api_errors_total", {"status": "409"}) or 0) >= 1
 
 
 async def test_unworkable_spec_is_degraded_with_an_event(cluster: Cluster) -> None:
