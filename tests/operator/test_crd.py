@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from kvpilot.operator.spec import InferenceServiceSpec
 
 Admission = Callable[[dict[str, Any]], tuple[dict[str, Any], list[str]]]

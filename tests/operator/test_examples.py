@@ -9,6 +9,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+
 from kvpilot.operator.manifests import (
     Owner,
     build_admin_secret,

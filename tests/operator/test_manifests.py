@@ -7,6 +7,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+
 from kvpilot.operator.manifests import (
     SPEC_HASH_ANNOTATION,
     Owner,

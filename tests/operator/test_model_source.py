@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvpilot.operator.model_source import SpecError, resolve_model_source
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from kvpilot.operator.kube import ApiError
 from kvpilot.operator.manifests import SPEC_HASH_ANNOTATION, Owner
 from kvpilot.operator.model_source import SpecError
