@@ -48,6 +48,13 @@ def test_wheel_contains_every_subpackage(wheel: Path) -> None:
     assert not missing, f"subpackages missing from the wheel (add them to pyproject.toml): {sorted(missing)}"
 
 
+def test_wheel_ships_the_model_presets(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = {Path(n).name for n in names if n.startswith("kvpilot/runtime/presets/")}
+    assert shipped == {p.name for p in (ROOT / "runtime" / "presets").glob("*.json")}
+    assert "llama-3-8b.json" in shipped
+
+
 def test_wheel_has_no_top_level_component_folders(wheel: Path) -> None:
     tops = {n.split("/", 1)[0] for n in zipfile.ZipFile(wheel).namelist()}
     assert not tops & {"runtime", "kernels", "operator", "kvpilot/__init__.py"}
