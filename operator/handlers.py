@@ -24,6 +24,8 @@ from .reconcile import Change, cleanup, observed_status, reconcile
 from .status import invalid_spec_status, now_iso, status_changes
 
 MAX_BACKOFF_SECONDS = 60.0
+STATUS_WRITE_ATTEMPTS = 3
+CONFLICT_DELAY_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,18 @@ def backoff(retry: int) -> float:
 
 def _as_dict(body: Any) -> dict[str, Any]:
     return {key: body[key] for key in body}
+
+
+def write_status(kube: Kube, body: dict[str, Any], status: dict[str, Any]) -> None:
+    """Patch what changed, at the resourceVersion `status` was computed from: two writers (the
+    reconcile and the Deployment watcher) must not let an older view overwrite a newer one, so
+    a write over a changed object fails with 409 and is recomputed."""
+    changes = status_changes(body.get("status") or {}, status)
+    if not changes:
+        return
+    meta = body["metadata"]
+    patch = {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": changes}
+    kube.patch("InferenceService", meta["namespace"], meta["name"], patch, subresource="status")
 
 
 def _report(body: Any, changes: list[Change]) -> None:
@@ -60,8 +74,9 @@ def _reconcile_errors(body: Any, patch: kopf.Patch, retry: int) -> Iterator[None
         if exc.invalid:
             _give_up(body, patch, f"the API server rejected a child object: {exc}")
         metrics.RECONCILES.labels(result="retry").inc()
-        reason = "conflict" if exc.conflict else "API error"
-        raise kopf.TemporaryError(f"{reason}, retrying: {exc}", delay=backoff(retry)) from exc
+        if exc.conflict:  # someone wrote first: retry soon, on fresh data
+            raise kopf.TemporaryError(f"conflict, retrying: {exc}", delay=CONFLICT_DELAY_SECONDS) from exc
+        raise kopf.TemporaryError(f"API error, retrying: {exc}", delay=backoff(retry)) from exc
     else:
         metrics.RECONCILES.labels(result="success").inc()
     finally:
@@ -102,25 +117,26 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
 
     def _reconcile(body: Any, patch: kopf.Patch, memo: kopf.Memo, retry: int) -> None:
         with _reconcile_errors(body, patch, retry):
-            outcome = reconcile(memo.kube, _as_dict(body), config.image, now_iso())
+            raw = _as_dict(body)
+            outcome = reconcile(memo.kube, raw, config.image, now_iso())
             _report(body, outcome.changes)
-            patch.status.update(status_changes(dict(body.get("status") or {}), outcome.status))
+            write_status(memo.kube, raw, outcome.status)
 
-    @kopf.on.resume(*resource, registry=registry)
-    @kopf.on.create(*resource, registry=registry)
-    @kopf.on.update(*resource, registry=registry)
+    @kopf.on.resume(*resource, id="reconcile", registry=registry)
+    @kopf.on.create(*resource, id="reconcile", registry=registry)
+    @kopf.on.update(*resource, id="reconcile", registry=registry)
     def reconcile_inferenceservice(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int,
                                    **_: Any) -> None:
         _reconcile(body, patch, memo, retry)
 
-    @kopf.timer(*resource, interval=config.resync_interval, initial_delay=config.resync_interval,
-                registry=registry)
+    @kopf.timer(*resource, id="resync", interval=config.resync_interval,
+                initial_delay=config.resync_interval, registry=registry)
     def resync_inferenceservice(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
                                 **kwargs: Any) -> None:
         """Repairs drift nobody announced (a child deleted or edited by hand)."""
         _reconcile(body, patch, memo, int(kwargs.get("retry", 0)))
 
-    @kopf.on.delete(*resource, registry=registry)
+    @kopf.on.delete(*resource, id="cleanup", registry=registry)
     def delete_children(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
         try:
             changes = cleanup(memo.kube, Owner.from_body(body))
@@ -130,7 +146,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         _report(body, changes)
 
     @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY},
-                   registry=registry)
+                   id="deployment-status", registry=registry)
     def reflect_deployment_status(body: kopf.Body, type: str | None, memo: kopf.Memo,
                                   logger: kopf.Logger, **_: Any) -> None:
         """Ready replicas and rollout progress, as soon as the Deployment controller reports them."""
@@ -138,14 +154,17 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         namespace = body.get("metadata", {}).get("namespace")
         if not name or not namespace or type is None:  # type None: the initial listing; resume covers it
             return
-        try:
-            owner = memo.kube.get("InferenceService", namespace, name)
-            if owner is None or owner["metadata"].get("deletionTimestamp"):
+        deployment = None if type == "DELETED" else _as_dict(body)
+        for _attempt in range(STATUS_WRITE_ATTEMPTS):
+            try:
+                owner = memo.kube.get("InferenceService", namespace, name)
+                if owner is None or owner["metadata"].get("deletionTimestamp"):
+                    return
+                write_status(memo.kube, owner, observed_status(owner, deployment, now_iso()))
                 return
-            deployment = None if type == "DELETED" else _as_dict(body)
-            status = observed_status(owner, deployment, now_iso())
-            changes = status_changes(owner.get("status") or {}, status)
-            if changes:
-                memo.kube.patch("InferenceService", namespace, name, {"status": changes}, subresource="status")
-        except (ApiError, SpecError) as exc:  # the IS's own handlers and the resync timer catch up
-            logger.warning(f"status of InferenceService {namespace}/{name} not refreshed: {exc}")
+            except ApiError as exc:
+                if not exc.conflict:  # the IS's own handlers and the resync timer catch up
+                    logger.warning(f"status of InferenceService {namespace}/{name} not refreshed: {exc}")
+                    return
+            except SpecError:
+                return
