@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,34 +134,22 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, not {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, not {value}")
-    return value
+def _checked(parse: Callable[[str], float], ok: Callable[[float], bool], rule: str) -> Callable[[str], Any]:
+    """An argparse type: parse the text, then require `ok(value)`; errors say `rule`."""
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {rule}, not {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, not {value}")
+        return value
+    return convert
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], not {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], not {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
-    return value
+_positive_int = _checked(int, lambda v: v > 0, "a positive integer")
+_fraction = _checked(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
+_non_negative_float = _checked(float, lambda v: v >= 0, "a number >= 0")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
