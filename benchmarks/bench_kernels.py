@@ -177,8 +177,10 @@ class Bench:
         scale = d ** -0.5
         configs = [DecodeConfig()]
         if self.sweep:
-            configs += [DecodeConfig(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
-                        if DecodeConfig(n, w, s) != DecodeConfig()]
+            # launch order and cache hint first, then the tile shapes that came closest before
+            configs += [DecodeConfig(heads_fastest=False), DecodeConfig(evict_first=True)]
+            configs += [DecodeConfig(n, w, s) for n, w, s in ((64, 4, 3), (64, 8, 3), (128, 8, 2), (32, 4, 4),
+                                                              (128, 4, 3))]
         for block_size in (16, 8, 32, 64):
             batch = self.paged_batch([(ctx, 1)] * b, heads, kv_heads, d, block_size)
             best = math.inf

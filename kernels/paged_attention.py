@@ -6,7 +6,7 @@ passed to the kernels); block_tables (num_seqs, max_blocks) int32; seq_lens (num
 query_start_loc (num_seqs + 1,) int32. A sequence's query rows are its last q_len positions.
 
 Two kernels share the work, with no host synchronisation:
-* `_decode_kernel`, grid (num_seqs, num_kv_heads, num_splits): one program per sequence and KV
+* `_decode_kernel`, grid (num_kv_heads, num_seqs, num_splits): one program per sequence and KV
   head packs the GQA group's query heads into the rows of one tile, so each K/V tile is read
   once for the whole group ("GQA packing"). It walks the context in tiles of BLOCK_N tokens
   gathered from several blocks (block ids looked up per token), online softmax in base 2. With
@@ -53,6 +53,11 @@ class DecodeConfig:
     block_n: int = 128  # context tokens per K/V tile (several cache blocks when block_size < it)
     num_warps: int = 4
     num_stages: int = 2
+    # Launch order: KV head fastest, so the programs running side by side share a sequence and
+    # read neighbouring heads of the same cache rows (one DRAM page) instead of one 256-byte slice
+    # of each of many sequences' rows. False restores sequence-fastest order (for the sweep).
+    heads_fastest: bool = True
+    evict_first: bool = False  # streaming cache hint on the K/V loads
 
 
 @dataclass(frozen=True)
@@ -68,15 +73,16 @@ def _interpreting() -> bool:
 
 
 @triton.jit
-def _load_tile(ptrs, row_ok, d_ok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASK_ROWS: tl.constexpr):
+def _load_tile(ptrs, row_ok, d_ok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASK_ROWS: tl.constexpr,
+               EVICT: tl.constexpr = ""):
     """(rows, D_PAD) tile; the head-dim mask is compiled in only when head_dim is padded."""
     if MASK_ROWS:
         if HEAD_DIM == D_PAD:
-            return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
-        return tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            return tl.load(ptrs, mask=row_ok[:, None], other=0.0, eviction_policy=EVICT)
+        return tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0, eviction_policy=EVICT)
     if HEAD_DIM == D_PAD:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+        return tl.load(ptrs, eviction_policy=EVICT)
+    return tl.load(ptrs, mask=d_ok[None, :], other=0.0, eviction_policy=EVICT)
 
 
 @triton.jit
@@ -89,9 +95,14 @@ def _decode_kernel(
     stride_pt, stride_ph, stride_ps,
     GROUP: tl.constexpr, M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, EVICT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FASTEST:
+        kvh = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
     q_end = tl.load(qsl_ptr + seq + 1)
@@ -121,16 +132,16 @@ def _decode_kernel(
             block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
             slot = n % BLOCK_SIZE
             k = _load_tile(k_ptr + (block * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None]
-                           + d[None, :], n_ok, d_ok, HEAD_DIM, D_PAD, True)  # (BLOCK_N, D_PAD)
-            s = tl.dot(q, tl.trans(k)) * scale_log2  # (M, BLOCK_N)
+                           + d[None, :], n_ok, d_ok, HEAD_DIM, D_PAD, True, EVICT)  # (BLOCK_N, D_PAD)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (M, BLOCK_N)
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = _load_tile(v_ptr + (block * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None]
-                           + d[None, :], n_ok, d_ok, HEAD_DIM, D_PAD, True)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                           + d[None, :], n_ok, d_ok, HEAD_DIM, D_PAD, True, EVICT)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
@@ -185,6 +196,7 @@ def _prefill_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -227,14 +239,14 @@ def _prefill_kernel(
         slot = n % BLOCK_SIZE
         k = _load_tile(k_ptr + (block * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None]
                        + d[None, :], n, d_ok, HEAD_DIM, D_PAD, False)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_ptr + (block * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None]
                        + d[None, :], n, d_ok, HEAD_DIM, D_PAD, False)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     for start in range(full_n, hi_n, BLOCK_N):
         n = start + offs_n
@@ -243,7 +255,7 @@ def _prefill_kernel(
         slot = n % BLOCK_SIZE
         k = _load_tile(k_ptr + (block * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None]
                        + d[None, :], n_ok, d_ok, HEAD_DIM, D_PAD, True)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -251,7 +263,7 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_ptr + (block * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None]
                        + d[None, :], n_ok, d_ok, HEAD_DIM, D_PAD, True)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     o = acc / l_i[:, None]
     tl.store(out_ptr + (q_rows * stride_ot + heads * stride_oh)[:, None] + d[None, :],
@@ -334,6 +346,8 @@ def paged_attention_with(
     group = num_heads // num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
     scale_log2 = scale * LOG2E
+    # float32 caches get float32 products: Triton's default for a float32 dot is tf32 (~3e-4)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     interp = _interpreting()
     decode = decode or (DecodeConfig(block_n=16, num_stages=1) if interp else DecodeConfig())
     prefill = prefill or (PrefillConfig(block_m=32, block_n=16, num_stages=1) if interp
@@ -352,13 +366,16 @@ def paged_attention_with(
                                device=q.device)
     else:
         part_out = part_lse = out  # unused
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, num_seqs) if decode.heads_fastest else (num_seqs, num_kv_heads)
+    _decode_kernel[(*grid, num_splits)](
         out, part_out, part_lse, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         scale_log2, int(all_decode), split_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
         num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
         GROUP=group, M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=decode.block_n, SPLIT=num_splits > 1,
+        HEADS_FASTEST=decode.heads_fastest, EVICT="evict_first" if decode.evict_first else "",
+        PRECISION=precision,
         num_warps=decode.num_warps, num_stages=decode.num_stages,
     )
     if num_splits > 1:
@@ -374,7 +391,7 @@ def paged_attention_with(
             out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale_log2, num_seqs,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
             GROUP=group, BLOCK_M=prefill.block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, D_PAD=d_pad,
-            BLOCK_SIZE=block_size, BLOCK_N=prefill.block_n,
+            BLOCK_SIZE=block_size, BLOCK_N=prefill.block_n, PRECISION=precision,
             num_warps=prefill.num_warps, num_stages=prefill.num_stages,
         )
     return out

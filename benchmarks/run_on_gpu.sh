@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything the repository checks and times on a GPU, in one call (the lent H200 via the device
+# tool, or any CUDA machine with torch, triton, transformers and pytest):
+#   COMMIT=<hash> bash benchmarks/run_on_gpu.sh [--sweep]
+# GPU tests (kernels at real sizes, the engine on CUDA against HF), then the kernel benchmark
+# (extra arguments go to it), then whole-engine throughput. Logs and results land in $OUT.
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+# Without an install, a folder of links gives the import names (kvpilot.runtime -> runtime/, ...).
+shim=$(mktemp -d)
+mkdir -p "$shim/kvpilot"
+for c in runtime kernels operator; do ln -s "$PWD/$c" "$shim/kvpilot/$c"; done
+export PYTHONPATH="$shim"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
+timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider tests/kernels tests/runtime/test_gpu_engine.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+timeout "${KERNEL_LIMIT:-300}" python3 benchmarks/bench_kernels.py --out "$OUT" --commit "${COMMIT:-unknown}" "$@" \
+    > "$OUT/bench_kernels.log" 2>&1
+sed -n '/^summary/,$p' "$OUT/bench_kernels.log" | tail -30; tail -3 "$OUT/bench_kernels.log"
+timeout "${ENGINE_LIMIT:-240}" python3 benchmarks/bench_engine_gpu.py --out "$OUT/bench_engine.json" 2>&1 \
+    | tee "$OUT/bench_engine.log" | tail -8
