@@ -57,7 +57,6 @@ class DecodeConfig:
     # read neighbouring heads of the same cache rows (one DRAM page) instead of one 256-byte slice
     # of each of many sequences' rows. False restores sequence-fastest order (for the sweep).
     heads_fastest: bool = True
-    evict_first: bool = False  # streaming cache hint on the K/V loads
 
 
 @dataclass(frozen=True)
@@ -73,16 +72,15 @@ def _interpreting() -> bool:
 
 
 @triton.jit
-def _load_tile(ptrs, row_ok, d_ok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASK_ROWS: tl.constexpr,
-               EVICT: tl.constexpr = ""):
+def _load_tile(ptrs, row_ok, d_ok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASK_ROWS: tl.constexpr):
     """(rows, D_PAD) tile; the head-dim mask is compiled in only when head_dim is padded."""
     if MASK_ROWS:
         if HEAD_DIM == D_PAD:
-            return tl.load(ptrs, mask=row_ok[:, None], other=0.0, eviction_policy=EVICT)
-        return tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0, eviction_policy=EVICT)
+            return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        return tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if HEAD_DIM == D_PAD:
-        return tl.load(ptrs, eviction_policy=EVICT)
-    return tl.load(ptrs, mask=d_ok[None, :], other=0.0, eviction_policy=EVICT)
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=d_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -95,7 +93,7 @@ def _decode_kernel(
     stride_pt, stride_ph, stride_ps,
     GROUP: tl.constexpr, M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr, EVICT: tl.constexpr, PRECISION: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kvh = tl.program_id(0)
@@ -132,7 +130,7 @@ def _decode_kernel(
             block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
             slot = n % BLOCK_SIZE
             k = _load_tile(k_ptr + (block * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None]
-                           + d[None, :], n_ok, d_ok, HEAD_DIM, D_PAD, True, EVICT)  # (BLOCK_N, D_PAD)
+                           + d[None, :], n_ok, d_ok, HEAD_DIM, D_PAD, True)  # (BLOCK_N, D_PAD)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (M, BLOCK_N)
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -140,7 +138,7 @@ def _decode_kernel(
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = _load_tile(v_ptr + (block * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None]
-                           + d[None, :], n_ok, d_ok, HEAD_DIM, D_PAD, True, EVICT)
+                           + d[None, :], n_ok, d_ok, HEAD_DIM, D_PAD, True)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -374,7 +372,7 @@ def paged_attention_with(
         num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
         GROUP=group, M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=decode.block_n, SPLIT=num_splits > 1,
-        HEADS_FASTEST=decode.heads_fastest, EVICT="evict_first" if decode.evict_first else "",
+        HEADS_FASTEST=decode.heads_fastest,
         PRECISION=precision,
         num_warps=decode.num_warps, num_stages=decode.num_stages,
     )

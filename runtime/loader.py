@@ -17,9 +17,10 @@ from kvpilot.runtime.parallel import TPInfo
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
+def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on any CUDA device ("cuda", "cuda:1", ...), float32 elsewhere."""
     if name == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return _DTYPES[name]
 
 

@@ -121,3 +121,12 @@ def test_generate_cli_prints_the_answer_and_rejects_bad_flags(tmp_path: Path) ->
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
         "kvpilot generate: error: argument --block-size: invalid choice: 12 (choose from 8, 16, 32, 64) (see --help)"]
+
+
+def test_auto_dtype_is_bf16_on_every_cuda_device_and_fp32_on_cpu() -> None:
+    from kvpilot.runtime.loader import resolve_dtype
+
+    assert resolve_dtype("auto", "cuda") is torch.bfloat16
+    assert resolve_dtype("auto", "cuda:1") is torch.bfloat16  # the runner passes indexed devices
+    assert resolve_dtype("auto", "cpu") is torch.float32
+    assert resolve_dtype("float16", "cpu") is torch.float16
