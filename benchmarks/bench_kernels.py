@@ -90,7 +90,9 @@ class Bench:
         print(f"{group:9s} {name:48s} {ms:8.4f} ms  {shown}", flush=True)
 
     def paged_batch(self, specs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
-                    block_size: int) -> tuple:
+                    block_size: int, head_major: bool = True) -> tuple:
+        """Random q and caches in the layout the GPU engine allocates (head-major strides, see
+        kernels/reference.kv_cache_empty) unless head_major=False (the contiguous token-major one)."""
         per_seq = [-(-ctx // block_size) for ctx, _ in specs]
         num_blocks = sum(per_seq)
         pool = torch.randperm(num_blocks, device=self.device).int()
@@ -99,9 +101,13 @@ class Bench:
         for i, n in enumerate(per_seq):
             tables[i, :n] = pool[used:used + n]
             used += n
+        from kvpilot.kernels.reference import kv_cache_empty
+
         shape = (num_blocks, block_size, kv_heads, head_dim)
-        k_cache = torch.randn(shape, dtype=torch.bfloat16, device=self.device)
-        v_cache = torch.randn(shape, dtype=torch.bfloat16, device=self.device)
+        k_cache, v_cache = (kv_cache_empty(*shape, head_major=head_major, dtype=torch.bfloat16, device=self.device)
+                            for _ in range(2))
+        k_cache.normal_()
+        v_cache.normal_()
         num_tokens = sum(q for _, q in specs)
         q = torch.randn(num_tokens, heads, head_dim, dtype=torch.bfloat16, device=self.device)
         qsl = torch.tensor([0] + [n for _, n in specs], device=self.device).cumsum(0).int()
@@ -196,6 +202,11 @@ class Bench:
                 ranked = sorted(decode_rows, key=lambda r: float(r["ms"]))  # type: ignore[arg-type]
                 self._top_decode = [c for c in configs[1:] if any(str(c) in str(r["name"]) for r in ranked[:3])]
                 q, _, _, _, _, _ = batch
+                token_major = self.paged_batch([(ctx, 1)] * b, heads, kv_heads, d, block_size, head_major=False)
+                ms = self.time_ms(partial(paged_attention_with, *token_major, scale))
+                self.record("decode", "triton block=16 token-major layout", ms,
+                            TBps=kv_bytes / ms / 1e9, of_copy=kv_bytes / ms / 1e9 / copy_rate)
+                del token_major
                 k, v = self.contiguous_kv(batch, ctx)
                 qb = q.view(b, heads, 1, d)
                 ms = self.time_ms(partial(F.scaled_dot_product_attention, qb, k, v, scale=scale, enable_gqa=True))
@@ -271,6 +282,7 @@ class Bench:
     # ---------------------------------------------------------------- layers
     def bench_layers(self, copy_rate: float) -> None:
         from kvpilot.kernels import triton_ops
+        from kvpilot.kernels.reference import kv_cache_empty
 
         t, hidden = 16384, 4096
         x = torch.randn(t, hidden, dtype=torch.bfloat16, device=self.device)
@@ -294,8 +306,8 @@ class Bench:
                     of_copy=nbytes / ms / 1e9 / copy_rate)
         v = torch.randn_like(k)
         num_blocks = t // 16 * 2
-        k_cache = torch.randn(num_blocks, 16, kv_heads, d, dtype=torch.bfloat16, device=self.device)
-        v_cache = torch.randn_like(k_cache)
+        k_cache, v_cache = (kv_cache_empty(num_blocks, 16, kv_heads, d, head_major=True, dtype=torch.bfloat16,
+                                           device=self.device).normal_() for _ in range(2))
         slots = torch.randperm(num_blocks * 16, device=self.device)[:t]
         nbytes = 4 * k.numel() * 2 + t * 8
         ms = self.time_ms(lambda: triton_ops.write_kv_cache(k, v, k_cache, v_cache, slots))
@@ -344,6 +356,10 @@ class Bench:
             ok = tb >= 3.5 and of >= 0.85 if b == 16 else abs(ms("decode", name) / d16 - 1) <= 0.15
             lines.append(f"| decode B=64 ctx 2048 32/8 hd128, block {b} | {ms('decode', name):.4f} ms | "
                          f"{tb:.2f} TB/s ({of:.1%} of copy) | {target} | {verdict(ok)} |")
+        tm = "triton block=16 token-major layout"
+        lines.append(f"| decode block 16, token-major (contiguous) cache instead of head-major | "
+                     f"{ms('decode', tm):.4f} ms | {get('decode', tm, 'TBps'):.2f} TB/s "
+                     f"({get('decode', tm, 'of_copy'):.1%} of copy) | — | |")
         for peer, need in (("peer: SDPA on contiguous KV", 1.0), ("peer: gather blocks then SDPA", 2.9)):
             speedup = ms("decode", peer) / d16
             lines.append(f"| decode peer: {peer[6:]} | {ms('decode', peer):.4f} ms | "

@@ -22,11 +22,26 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter the new tokens' keys and values into their cache slots, in place."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = k[valid]
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = v[valid]
+    # (block, offset) indexing works for any physical layout (see `kv_cache_empty`)
+    k_cache[slots // block_size, slots % block_size] = k[valid]
+    v_cache[slots // block_size, slots % block_size] = v[valid]
+
+
+def kv_cache_empty(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
+                   head_major: bool, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed cache of the contract's shape (num_blocks, block_size, num_kv_heads, head_dim).
+
+    head_major stores it as (num_blocks, num_kv_heads, block_size, head_dim) and returns the
+    transposed view: each (block, KV head) is then one contiguous run of block_size * head_dim
+    elements instead of block_size rows of head_dim scattered num_kv_heads rows apart. Every op
+    takes either (they use strides); the GPU engine allocates head-major (benchmarks/RESULTS.md).
+    """
+    if not head_major:
+        return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device).transpose(1, 2)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.kernels import ops as kernel_ops
+from kvpilot.kernels.reference import kv_cache_empty
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.loader import load_model, resolve_dtype
 from kvpilot.runtime.models.llama import AttentionMetadata, cos_sin_cache
@@ -106,12 +107,11 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model_config
-        shape = (num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
-        return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(cfg.num_layers)
-        ]
+        # head-major on the GPU: the decode kernel streams each (block, KV head) as one run
+        shape = dict(num_blocks=num_blocks, block_size=self.block_size, num_kv_heads=self.num_kv_heads,
+                     head_dim=cfg.head_dim, head_major=self.device.type == "cuda", dtype=self.dtype,
+                     device=self.device)
+        return [(kv_cache_empty(**shape), kv_cache_empty(**shape)) for _ in range(cfg.num_layers)]
 
     def resize_kv_cache(self, block_size: int) -> None:
         """Re-cut the same KV memory into blocks of `block_size` (the cache's contents are lost:

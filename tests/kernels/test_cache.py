@@ -36,6 +36,18 @@ def test_matches_reference_and_skips_padding(block_size: int, dtype: torch.dtype
     check_against_reference(make_case(40, 3, 80, block_size, dtype, device))
 
 
+@pytest.mark.parametrize("block_size", [8, 64])
+def test_head_major_cache_layout_matches_contiguous(block_size: int, device: torch.device) -> None:
+    """Both implementations write a head-major (strided) cache exactly where the contiguous one goes."""
+    k, v, k_cache, v_cache, slots = make_case(40, 3, 64, block_size, torch.float32, device)
+    hm = [reference.kv_cache_empty(*c.shape, head_major=True, dtype=c.dtype, device=device) for c in (k_cache, v_cache)]
+    for dst, src in zip(hm, (k_cache, v_cache), strict=True):
+        dst.copy_(src)
+    check_against_reference((k, v, *hm, slots))
+    reference.write_kv_cache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(hm[0], k_cache) and torch.equal(hm[1], v_cache)
+
+
 def test_int32_slot_mapping(device: torch.device) -> None:
     k, v, k_cache, v_cache, slots = make_case(20, 2, 64, 16, torch.float32, device)
     check_against_reference((k, v, k_cache, v_cache, slots.int()))

@@ -100,6 +100,28 @@ def test_every_block_size_matches_reference(
     assert rel_err(out, reference.paged_attention(*batch, 0.125)) < tolerance(torch.float32, device)
 
 
+def head_major_copy(cache: torch.Tensor) -> torch.Tensor:
+    hm = reference.kv_cache_empty(*cache.shape, head_major=True, dtype=cache.dtype, device=cache.device)
+    hm.copy_(cache)
+    assert hm.stride(1) == cache.shape[3] and not hm.is_contiguous()
+    return hm
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_head_major_cache_layout_matches_reference(
+    block_size: int, num_splits: int | None, specs: list[tuple[int, int]], device: torch.device
+) -> None:
+    """The GPU engine stores each (block, KV head) contiguously; the kernels follow the strides."""
+    q, k_cache, v_cache, tables, seq_lens, qsl = make_batch(specs, 8, 2, 64, block_size, torch.float32, device)
+    strided = (q, head_major_copy(k_cache), head_major_copy(v_cache), tables, seq_lens, qsl)
+    out = run_triton(strided, 0.125, num_splits=num_splits)
+    expected = reference.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125)
+    assert rel_err(out, expected) < tolerance(torch.float32, device)
+    assert rel_err(reference.paged_attention(*strided, 0.125), expected) < 1e-6
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (12, 3), (16, 1)])
 @pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
 def test_gqa_ratios_match_reference(
