@@ -36,8 +36,7 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama3-rope"])
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("kind,block_size", [("llama", 8), ("qwen2", 16), ("llama3-rope", 32), ("llama", 64)])
 def test_float32_on_cuda_matches_hf(kind: str, block_size: int, models) -> None:
     folder, hf = models[kind]
     llm = LLM(folder, device="cuda", dtype="float32", max_model_len=256, block_size=block_size,
