@@ -21,7 +21,8 @@ PROMPT_LEN, NEW_TOKENS = 512, 128
 
 
 def copy_rate() -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device copy (the bandwidth ceiling)."""
+    """Bytes read + written per second by a 1 GiB device-to-device copy: the traffic ceiling, so a
+    step's floor is the bytes it must read over this rate."""
     import triton
 
     src = torch.randn(1 << 29, dtype=torch.bfloat16, device="cuda")
@@ -58,7 +59,7 @@ def throughput(batches: list[int], rate: float) -> list[dict[str, float]]:
         decode_times.sort()
         step = decode_times[len(decode_times) // 2]
         # one decode step reads every weight and, on average, half the generated context's KV once
-        floor = (weight_bytes + batch * (PROMPT_LEN + NEW_TOKENS // 2) * kv_per_token) / (rate / 2)
+        floor = (weight_bytes + batch * (PROMPT_LEN + NEW_TOKENS // 2) * kv_per_token) / rate
         rows.append({"batch": batch, "output_tok_s": batch * NEW_TOKENS / elapsed, "decode_step_ms": step * 1e3,
                      "floor_ms": floor * 1e3, "of_floor": floor / step, "decode_tok_s": batch / step})
     return rows
