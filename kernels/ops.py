@@ -4,6 +4,10 @@ CUDA tensors go to the Triton kernels (`triton_ops`) when they exist and import;
 goes to the plain-torch reference (`reference`). `KVPILOT_KERNELS=triton` forces Triton (tests set
 it together with `TRITON_INTERPRET=1` to run the kernels on CPU); `KVPILOT_KERNELS=reference`
 forces the reference everywhere. Signatures and layouts are those of `reference.py`.
+
+The index tensors of a step (positions, slot_mapping, block_tables, seq_lens, query_start_loc)
+are read-only once passed to an op: the reference plans its index work once per step and reuses
+it for every layer called with the same tensor objects. New contents come in new tensors.
 """
 
 from __future__ import annotations

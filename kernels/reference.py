@@ -13,8 +13,44 @@ Layouts (shared with `kvpilot.kernels.triton_ops`; `ops.py` documents the contra
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+
+class _StepMemo:
+    """One derived value (index tensors, masks) remembered for the tensors it came from.
+
+    The model calls each op once per layer with the same per-step tensors, so index work done once
+    serves every layer: on the 2-core CPU each small torch op costs several microseconds, and the
+    engine's CPU step was spending about as long in such ops as in attention itself. The memo holds
+    its key tensors (so their ids cannot be reused while remembered) and, for ordinary tensors,
+    their version counters (so an in-place change is noticed). Tensors made under
+    `torch.inference_mode` (the engine's) have no version counter: per the op contract (ops.py),
+    callers pass new index tensors for new contents instead of changing them in place.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] = ()
+        self._versions: tuple[int, ...] = ()
+        self._value: Any = None
+
+    def get(self, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+        tensors = [k for k in key if isinstance(k, torch.Tensor)]
+        versions = tuple(-1 if t.is_inference() else t._version for t in tensors)
+        same = (len(key) == len(self._key) and versions == self._versions
+                and all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(key, self._key, strict=True)))
+        if not same:
+            self._value = build()
+            self._key, self._versions = key, versions
+        return self._value
+
+
+_write_plan = _StepMemo()
+_attention_plan = _StepMemo()
+_rotary_plan = _StepMemo()
 
 
 def write_kv_cache(
@@ -23,11 +59,17 @@ def write_kv_cache(
 ) -> None:
     """Scatter the new tokens' keys and values into their cache slots, in place."""
     block_size = k_cache.shape[1]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
+
+    def plan() -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        valid = slot_mapping >= 0
+        rows = None if bool(valid.all()) else valid.nonzero().squeeze(1)
+        slots = slot_mapping if rows is None else slot_mapping[rows]
+        return rows, slots // block_size, slots % block_size
+
+    rows, blocks, offsets = _write_plan.get((slot_mapping, block_size), plan)
     # (block, offset) indexing works for any physical layout (see `kv_cache_empty`)
-    k_cache[slots // block_size, slots % block_size] = k[valid]
-    v_cache[slots // block_size, slots % block_size] = v[valid]
+    k_cache[blocks, offsets] = k if rows is None else k[rows]
+    v_cache[blocks, offsets] = v if rows is None else v[rows]
 
 
 def kv_cache_empty(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
@@ -44,11 +86,50 @@ def kv_cache_empty(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device).transpose(1, 2)
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """(length, num_kv_heads, head_dim) of one sequence, gathered from its blocks."""
-    block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+class _DecodePlan(NamedTuple):
+    rows: torch.Tensor | None  # q rows of the decode sequences; None when the batch is all decode
+    table: torch.Tensor  # (num_decode * nb,) int64 block ids, nb blocks per sequence
+    num_seqs: int
+    max_len: int
+    mask: torch.Tensor  # (num_decode, 1, 1, max_len) bool: key position < context length
+
+
+class _PrefillPlan(NamedTuple):
+    start: int  # q rows start:end
+    end: int
+    table: torch.Tensor  # int64 block ids covering the context
+    length: int
+    mask: torch.Tensor  # (q_len, length) bool causal mask
+
+
+def _plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    block_size: int, num_tokens: int) -> tuple[_DecodePlan | None, list[_PrefillPlan]]:
+    device = block_tables.device
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    decode_plan = None
+    if decode:
+        all_decode = len(decode) == len(lens) == num_tokens
+        ctx = [lens[i] for i in decode]
+        max_len = max(ctx)
+        nb = -(-max_len // block_size)
+        table = (block_tables if all_decode else block_tables[decode])[:, :nb].long().flatten()
+        mask = torch.arange(max_len, device=device)[None, :] < torch.tensor(ctx, device=device)[:, None]
+        rows = None if all_decode else torch.tensor([starts[i] for i in decode], device=device)
+        decode_plan = _DecodePlan(rows, table, len(decode), max_len, mask[:, None, None, :])
+    prefill = []
+    for i, q_len in enumerate(q_lens):
+        if q_len <= 1:
+            continue
+        length = lens[i]
+        # query row r sits at context position length - q_len + r and sees keys 0..that position
+        pos = torch.arange(length - q_len, length, device=device)
+        mask = torch.arange(length, device=device)[None, :] <= pos[:, None]
+        table = block_tables[i, :-(-length // block_size)].long()
+        prefill.append(_PrefillPlan(starts[i], starts[i + 1], table, length, mask))
+    return decode_plan, prefill
 
 
 def paged_attention(
@@ -58,51 +139,41 @@ def paged_attention(
     """Causal attention of each sequence's new tokens over its whole cached context.
 
     Decode sequences (one new token) are batched into one padded call; sequences with several
-    new tokens (prefill, chunked prefill) are computed one by one.
+    new tokens (prefill, chunked prefill) are computed one by one. The index work is planned once
+    per step and shared by every layer (`_StepMemo`).
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    _, block_size, num_kv_heads, _ = k_cache.shape
     gqa = num_heads != num_kv_heads
-    out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    if decode:
-        all_decode = len(decode) == len(lens) == num_tokens
-        ctx = [lens[i] for i in decode]
-        max_len = max(ctx)
-        block_size = k_cache.shape[1]
-        nb = -(-max_len // block_size)
-        table = (block_tables if all_decode else block_tables[decode])[:, :nb].long().flatten()
+    decode, prefill = _attention_plan.get(
+        (block_tables, seq_lens, query_start_loc, block_size, num_tokens),
+        lambda: _plan_attention(block_tables, seq_lens, query_start_loc, block_size, num_tokens))
+    out = None
+    if decode is not None:
         # index_select on the block dim: one contiguous copy of each sequence's blocks
-        k = k_cache.index_select(0, table).view(len(decode), nb * block_size, num_kv_heads, head_dim)[:, :max_len]
-        v = v_cache.index_select(0, table).view(len(decode), nb * block_size, num_kv_heads, head_dim)[:, :max_len]
-        mask = torch.arange(max_len, device=q.device)[None, :] < torch.tensor(ctx, device=q.device)[:, None]
-        rows = None if all_decode else torch.tensor([starts[i] for i in decode], device=q.device)
+        shape = (decode.num_seqs, -1, num_kv_heads, head_dim)
+        k = k_cache.index_select(0, decode.table).view(shape)[:, :decode.max_len]
+        v = v_cache.index_select(0, decode.table).view(shape)[:, :decode.max_len]
         o = F.scaled_dot_product_attention(
-            (q if rows is None else q[rows]).unsqueeze(2),  # (B, H, 1, D)
+            (q if decode.rows is None else q[decode.rows]).unsqueeze(2),  # (B, H, 1, D)
             k.transpose(1, 2), v.transpose(1, 2),  # (B, Hk, L, D)
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa,
+            attn_mask=decode.mask, scale=scale, enable_gqa=gqa,
         ).squeeze(2)
-        if rows is None:
+        if decode.rows is None:
             return o
-        out[rows] = o
-    for i in range(len(lens)):
-        q_len = starts[i + 1] - starts[i]
-        if q_len == 1 or q_len == 0:
-            continue
-        length = lens[i]
-        k = _gather_context(k_cache, block_tables[i], length)
-        v = _gather_context(v_cache, block_tables[i], length)
-        # query row r sits at context position length - q_len + r and sees keys 0..that position
-        pos = torch.arange(length - q_len, length, device=q.device)
-        mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
+        out = torch.empty_like(q)
+        out[decode.rows] = o
+    if out is None:
+        out = torch.empty_like(q)
+    for seq in prefill:
+        k = k_cache[seq.table].flatten(0, 1)[:seq.length]  # (length, Hk, D)
+        v = v_cache[seq.table].flatten(0, 1)[:seq.length]
         o = F.scaled_dot_product_attention(
-            q[starts[i]:starts[i + 1]].transpose(0, 1),  # (H, q_len, D)
+            q[seq.start:seq.end].transpose(0, 1),  # (H, q_len, D)
             k.transpose(0, 1), v.transpose(0, 1),  # (Hk, length, D)
-            attn_mask=mask, scale=scale, enable_gqa=gqa,
+            attn_mask=seq.mask, scale=scale, enable_gqa=gqa,
         )
-        out[starts[i]:starts[i + 1]] = o.transpose(0, 1)
+        out[seq.start:seq.end] = o.transpose(0, 1)
     return out
 
 
@@ -130,13 +201,15 @@ def rotary_embedding(
     llama3 frequency scaling is baked into it by the model, so the op is the same for both.
     """
     half = q.shape[-1] // 2
-    cs = cos_sin_cache[positions.long()]
-    cos = cs[:, None, :half]
-    sin = cs[:, None, half:]
+
+    def plan() -> tuple[torch.Tensor, torch.Tensor]:
+        cs = cos_sin_cache[positions.long()]
+        cos, sin = cs[:, None, :half], cs[:, None, half:]
+        return torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)  # (T, 1, D) each
+
+    cos, sin = _rotary_plan.get((positions, cos_sin_cache), plan)
     for t in (q, k):
-        x1 = t[..., :half].float()
-        x2 = t[..., half:].float()
-        r1 = x1 * cos - x2 * sin
-        r2 = x2 * cos + x1 * sin
-        t[..., :half] = r1.to(t.dtype)
-        t[..., half:] = r2.to(t.dtype)
+        # x * cos + rotate_half(x) * sin, the same float operations as HF's apply_rotary_pos_emb
+        x = t.float()
+        rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
+        t.copy_(x * cos + rotated * sin)

@@ -21,6 +21,7 @@ import torch
 from kvpilot.kernels import ops as kernel_ops
 from kvpilot.kernels.reference import kv_cache_empty
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.cpu_linear import pack_linears
 from kvpilot.runtime.loader import load_model, resolve_dtype
 from kvpilot.runtime.models.llama import AttentionMetadata, cos_sin_cache
 from kvpilot.runtime.parallel import TPInfo
@@ -53,6 +54,8 @@ class ModelRunner:
         self.device = torch.device(f"cuda:{self.tp.rank}" if device == "cuda" else device)
         self.dtype = resolve_dtype(config.model.dtype, device)
         self.model, self.model_config = load_model(config.model, str(self.device), self.tp)
+        # CPU: weights packed once for oneDNN (decode steps are bound by reading them; cpu_linear.py)
+        self.packed_linears = pack_linears(self.model, config.scheduler.max_num_seqs)
         self.num_kv_heads = self.model.layers[0].num_kv_heads  # this rank's share
         self.ops = kernel_ops.select(self.device)
         self.rope = cos_sin_cache(self.model_config, config.model.max_model_len, self.device)

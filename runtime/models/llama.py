@@ -193,8 +193,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32; every rank takes part under tensor parallelism."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, weight))
+        local = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
+        logits = self.tp.all_gather_last_dim(local)
         return logits[:, :self.cfg.vocab_size].float()
 
     # HF module -> (our fused parameter, shard index within it)
