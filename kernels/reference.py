@@ -154,11 +154,13 @@ def paged_attention(
         shape = (decode.num_seqs, -1, num_kv_heads, head_dim)
         k = k_cache.index_select(0, decode.table).view(shape)[:, :decode.max_len]
         v = v_cache.index_select(0, decode.table).view(shape)[:, :decode.max_len]
+        # a GQA group's query heads become the query rows of their KV head: no K/V expansion
+        # (on 2 cores 170 us against 250 us with enable_gqa for 16 x 9/3 heads x 150 keys)
         o = F.scaled_dot_product_attention(
-            (q if decode.rows is None else q[decode.rows]).unsqueeze(2),  # (B, H, 1, D)
+            (q if decode.rows is None else q[decode.rows]).reshape(decode.num_seqs, num_kv_heads, -1, head_dim),
             k.transpose(1, 2), v.transpose(1, 2),  # (B, Hk, L, D)
-            attn_mask=decode.mask, scale=scale, enable_gqa=gqa,
-        ).squeeze(2)
+            attn_mask=decode.mask, scale=scale,
+        ).reshape(decode.num_seqs, num_heads, head_dim)
         if decode.rows is None:
             return o
         out = torch.empty_like(q)

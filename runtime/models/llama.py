@@ -138,9 +138,10 @@ class DecoderLayer(nn.Module):
         num_tokens, head_dim = h.shape[0], self.cfg.head_dim
         q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         qkv = self.qkv_proj(h)  # (T, q + 2kv)
-        q = qkv[:, :q_size].reshape(num_tokens, self.num_heads, head_dim).contiguous()
-        k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, self.num_kv_heads, head_dim).contiguous()
-        v = qkv[:, q_size + kv_size:].reshape(num_tokens, self.num_kv_heads, head_dim).contiguous()
+        # strided views into qkv, no copies: every op takes row strides (unit stride in head_dim)
+        q = qkv[:, :q_size].view(num_tokens, self.num_heads, head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, head_dim)
         ops.rotary_embedding(positions, q, k, rope)
         k_cache, v_cache = kv_cache
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)

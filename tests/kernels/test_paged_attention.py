@@ -122,6 +122,19 @@ def test_head_major_cache_layout_matches_reference(
     assert rel_err(reference.paged_attention(*strided, 0.125), expected) < 1e-6
 
 
+@pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_strided_q_view_matches_reference(specs: list[tuple[int, int]], device: torch.device) -> None:
+    """q as the model passes it: a view into the fused qkv rows (row stride > heads x head_dim)."""
+    q, *rest = make_batch(specs, 8, 2, 64, 16, torch.float32, device)
+    qkv = torch.randn(q.shape[0], (8 + 4) * 64, device=device)
+    qkv[:, :8 * 64] = q.reshape(q.shape[0], -1)
+    strided_q = qkv[:, :8 * 64].view(q.shape)
+    assert not strided_q.is_contiguous()
+    expected = reference.paged_attention(q, *rest, 0.125)  # type: ignore[arg-type]
+    assert rel_err(run_triton((strided_q, *rest), 0.125), expected) < tolerance(torch.float32, device)  # type: ignore[arg-type]
+    assert rel_err(reference.paged_attention(strided_q, *rest, 0.125), expected) < 1e-6  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (12, 3), (16, 1)])
 @pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
 def test_gqa_ratios_match_reference(

@@ -36,6 +36,25 @@ def test_matches_reference(num_heads: int, num_kv_heads: int, head_dim: int, dty
     check(11, num_heads, num_kv_heads, head_dim, dtype, device)
 
 
+def test_strided_views_of_one_qkv_buffer(device: torch.device) -> None:
+    """The model rotates q and k as views into its fused qkv output, leaving v untouched."""
+    t, heads, kv_heads, d = 7, 6, 2, 64
+    cache = cos_sin(256, d, device)
+    positions = torch.randint(0, 256, (t,), device=device)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, device=device)
+    ref_q = qkv[:, :heads * d].reshape(t, heads, d).clone()
+    ref_k = qkv[:, heads * d:(heads + kv_heads) * d].reshape(t, kv_heads, d).clone()
+    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    reference.rotary_embedding(positions, ref_q, ref_k, cache)
+    q = qkv[:, :heads * d].view(t, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(t, kv_heads, d)
+    assert not q.is_contiguous()
+    rotary_embedding(positions, q, k, cache)
+    torch.testing.assert_close(q, ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, ref_k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)
+
+
 def test_int32_positions(device: torch.device) -> None:
     check(5, 4, 2, 64, torch.float32, device, positions_dtype=torch.int32)
 
