@@ -9,12 +9,17 @@ Usage: PYTHONSAFEPATH=1 .venv/bin/python benchmarks/bench_cpu.py [--repeats 3] [
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import statistics
 import time
 
-import torch
+# As `kvpilot` sets it (runtime/cli.py): 2 MiB pages for large CPU tensors. It is process-wide,
+# so HF gets it too, and torch reads it before its first allocation: set before importing torch.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402
 
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.model_source import resolve_model

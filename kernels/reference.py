@@ -181,6 +181,11 @@ def paged_attention(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x (num_tokens, hidden) -> normalised copy, computed in float32."""
+    if x.dtype == weight.dtype == torch.float32 and x.shape[0] <= 64:
+        # torch's fused kernel: bit-identical to the steps below in float32 and quicker for the few
+        # rows of a decode step (34 against 48 us for 16 x 576 on 2 cores), but single-threaded,
+        # so 3.6x slower for an 864-row prefill
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)
