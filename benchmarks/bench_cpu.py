@@ -93,7 +93,9 @@ def main() -> None:
             print(f"| {names[key]} | {statistics.median(runs):.1f} | {shown} |")
     ratios = [a / b for a, b in zip(samples["kvpilot"], samples["padded"], strict=True)]
     print(f"kvpilot / HF padded, per alternating pair: {', '.join(f'{r:.2f}' for r in ratios)}; "
-          f"median {statistics.median(ratios):.2f}")
+          f"median {statistics.median(ratios):.2f}; of medians "
+          f"{statistics.median(samples['kvpilot']) / statistics.median(samples['padded']):.2f}; "
+          f"of bests {max(samples['kvpilot']) / max(samples['padded']):.2f}")
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ class _PrefillPlan(NamedTuple):
     end: int
     table: torch.Tensor  # int64 block ids covering the context
     length: int
-    mask: torch.Tensor  # (q_len, length) bool causal mask
+    mask: torch.Tensor | None  # (q_len, length) bool causal mask; None: plain causal (no cached context)
 
 
 def _plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -125,8 +125,10 @@ def _plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
             continue
         length = lens[i]
         # query row r sits at context position length - q_len + r and sees keys 0..that position
-        pos = torch.arange(length - q_len, length, device=device)
-        mask = torch.arange(length, device=device)[None, :] <= pos[:, None]
+        mask = None
+        if length != q_len:
+            pos = torch.arange(length - q_len, length, device=device)
+            mask = torch.arange(length, device=device)[None, :] <= pos[:, None]
         table = block_tables[i, :-(-length // block_size)].long()
         prefill.append(_PrefillPlan(starts[i], starts[i + 1], table, length, mask))
     return decode_plan, prefill
@@ -173,7 +175,7 @@ def paged_attention(
         o = F.scaled_dot_product_attention(
             q[seq.start:seq.end].transpose(0, 1),  # (H, q_len, D)
             k.transpose(0, 1), v.transpose(0, 1),  # (Hk, length, D)
-            attn_mask=seq.mask, scale=scale, enable_gqa=gqa,
+            attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=gqa,
         )
         out[seq.start:seq.end] = o.transpose(0, 1)
     return out
