@@ -15,11 +15,7 @@ import random
 import statistics
 import time
 
-# As `kvpilot` sets it (runtime/cli.py): 2 MiB pages for large CPU tensors. It is process-wide,
-# so HF gets it too, and torch reads it before its first allocation: set before importing torch.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-import torch  # noqa: E402
+import torch
 
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.model_source import resolve_model
@@ -83,8 +79,12 @@ def main() -> None:
         samples["padded"].append(hf.run(prompts, batched=True))
     if not args.skip_hf_sequential:
         samples["sequential"].append(hf.run(prompts, batched=False))
+    # THP_MEM_ALLOC_ENABLE (2 MiB pages, which `kvpilot` sets for itself) is process-wide and read
+    # before torch's first allocation, so both sides run under whatever the environment says
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
     print(f"host: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, {args.repeats} alternating runs, median (all runs) in output tokens/s")
+          f"torch {torch.__version__}, THP_MEM_ALLOC_ENABLE={thp}, {args.repeats} alternating runs, "
+          f"median (all runs) in output tokens/s")
     names = {"kvpilot": "kvpilot (continuous batching)", "padded": "HF generate, left-padded batch of 16",
              "sequential": "HF generate, one prompt at a time"}
     for key, runs in samples.items():
