@@ -125,12 +125,12 @@ def _plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
             continue
         length = lens[i]
         # query row r sits at context position length - q_len + r and sees keys 0..that position
-        mask = None
+        causal: torch.Tensor | None = None  # None: no cached context, SDPA's own causal path
         if length != q_len:
             pos = torch.arange(length - q_len, length, device=device)
-            mask = torch.arange(length, device=device)[None, :] <= pos[:, None]
+            causal = torch.arange(length, device=device)[None, :] <= pos[:, None]
         table = block_tables[i, :-(-length // block_size)].long()
-        prefill.append(_PrefillPlan(starts[i], starts[i + 1], table, length, mask))
+        prefill.append(_PrefillPlan(starts[i], starts[i + 1], table, length, causal))
     return decode_plan, prefill
 
 

@@ -52,6 +52,7 @@ def pack_linears(model: nn.Module, rows_hint: int) -> bool:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child.weight, child.bias, rows_hint))
-    if getattr(model, "lm_head", None) is None and hasattr(model, "embed_tokens"):
-        model.lm_head = PackedLinear(model.embed_tokens.weight, None, rows_hint)  # tied embeddings
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", None) is None and isinstance(embed, nn.Embedding):
+        model.lm_head = PackedLinear(embed.weight, None, rows_hint)  # tied embeddings
     return True
