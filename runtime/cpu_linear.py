@@ -1,10 +1,10 @@
 """Linear layers with weights pre-packed for oneDNN, for the CPU engine.
 
 A decode step multiplies a few rows (one per running sequence) by every weight matrix, so it is
-bound by reading the weights. `F.linear` re-packs the weight into the GEMM library's blocked
-format on every call, which reads and writes it again: on the 2-core CI-class machine a 16-row
-product against a cold 3072 x 576 fp32 weight ran 1.11 ms (6.4 GB/s) that way, against 0.64 ms
-(11.1 GB/s) with the weight packed once (benchmarks/RESULTS.md, "Engine core on CPU"). The packed
+bound by reading the weights. Through `F.linear` a 16-row product against a cold 3072 x 576 fp32
+weight ran 1.11 ms (6.4 GB/s, half what the 2-core VM reads: the GEMM library appears to re-pack
+the weight on every call), against 0.64 ms (11.1 GB/s) with the weight packed once for oneDNN
+(benchmarks/RESULTS.md, "Engine core on CPU"). The packed
 product is not bit-identical to `F.linear` (the blocked kernel sums in another order: relative
 differences near 4e-7 in fp32).
 
