@@ -56,4 +56,15 @@ def serve_args(spec: InferenceServiceSpec, source: ModelSource, served_model_nam
     args += [flag for flag, on in switches if on]
     if engine.device != "auto":
         args += ["--device", engine.device]
-    return args
+    return args + ["--drain-timeout", str(drain_timeout(spec))]
+
+
+DRAIN_MARGIN_SECONDS = 5
+
+
+def drain_timeout(spec: InferenceServiceSpec) -> int:
+    """How long the server may drain after SIGTERM: the grace period left after the preStop sleep,
+    less a margin for the process to exit before the kubelet's SIGKILL (the CRD keeps the preStop
+    sleep shorter than the grace period, so at least 1 s)."""
+    left = spec.drain.grace_period_seconds - spec.drain.pre_stop_seconds
+    return max(1, left - DRAIN_MARGIN_SECONDS)

@@ -59,3 +59,12 @@ def test_preset_loads_dummy_weights() -> None:
 def test_secrets_never_reach_argv() -> None:
     args = _args({"model": {"source": "embedded"}, "apiKeySecretRef": {"name": "keys"}})
     assert "--api-key" not in args and "--admin-token" not in args
+
+
+def test_drain_timeout_fits_the_grace_period_after_the_pre_stop_sleep() -> None:
+    """The server's drain must end before the kubelet's SIGKILL: grace - preStop - 5 s margin."""
+    assert _flag(_args({"model": {"source": "embedded"}}), "--drain-timeout") == "110"  # 120 - 5 - 5
+    spec = {"model": {"source": "embedded"}, "drain": {"preStopSeconds": 10, "gracePeriodSeconds": 30}}
+    assert _flag(_args(spec), "--drain-timeout") == "15"
+    spec = {"model": {"source": "embedded"}, "drain": {"preStopSeconds": 1, "gracePeriodSeconds": 3}}
+    assert _flag(_args(spec), "--drain-timeout") == "1"
