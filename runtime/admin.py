@@ -36,10 +36,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/admin/config")
     async def post_config(request: Request) -> dict[str, Any]:
         authorize(request)
-        try:
-            changes = await request.json()
-        except ValueError:
-            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        changes = await _json_body(request)
         if not isinstance(changes, dict) or not changes:
             raise APIError(400, "send a JSON object of tunables, e.g. {\"block_size\": 32}", code="invalid_value")
         started = time.perf_counter()
@@ -58,10 +55,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/reload")
     async def reload(request: Request) -> dict[str, Any]:
         authorize(request)
-        try:
-            body = await request.json()
-        except ValueError:
-            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        body = await _json_body(request)
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
             raise APIError(400, "send {\"model_path\": \"/path/under/allowed-model-root\"}", param="model_path",
                            code="invalid_value")
@@ -69,6 +63,13 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
         if name is not None and not isinstance(name, str):
             raise APIError(400, "served_model_name must be a string", param="served_model_name", code="invalid_value")
         return await reload_model(state, body["model_path"], name)
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
 
 
 def _live_config(engine: LLMEngine) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,24 +46,29 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path: Path, tiny_mode
         LLM(str(folder))
 
 
-def test_mismatched_tensor_shape_names_the_weight(tmp_path: Path, tiny_models) -> None:
-    folder = tmp_path / "bad"
-    shutil.copytree(tiny_models["llama"][0], folder)
+def corrupted_copy(source: str, folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> str:
+    """A copy of the tiny model folder whose checkpoint went through `change`."""
+    shutil.copytree(source, folder)
     weights = load_file(folder / "model.safetensors")
-    weights["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 10)
+    change(weights)
     save_file(weights, folder / "model.safetensors")
+    return str(folder)
+
+
+def test_mismatched_tensor_shape_names_the_weight(tmp_path: Path, tiny_models) -> None:
+    def reshape(weights: dict[str, torch.Tensor]) -> None:
+        weights["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 10)
+
     with pytest.raises(ValueError, match="layers.1.mlp.down_proj.weight.*shape"):
-        LLM(str(folder))
+        LLM(corrupted_copy(tiny_models["llama"][0], tmp_path / "bad", reshape))
 
 
 def test_missing_tensor_is_reported(tmp_path: Path, tiny_models) -> None:
-    folder = tmp_path / "partial"
-    shutil.copytree(tiny_models["llama"][0], folder)
-    weights = load_file(folder / "model.safetensors")
-    del weights["model.norm.weight"]
-    save_file(weights, folder / "model.safetensors")
+    def drop(weights: dict[str, torch.Tensor]) -> None:
+        del weights["model.norm.weight"]
+
     with pytest.raises(ValueError, match="missing.*norm"):
-        LLM(str(folder))
+        LLM(corrupted_copy(tiny_models["llama"][0], tmp_path / "partial", drop))
 
 
 def test_sharded_checkpoint_with_index_loads_the_same_model(tmp_path: Path, tiny_models) -> None:
