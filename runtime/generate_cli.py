@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.sampling_seed, stop=args.stop)
         engine_args = EngineArgs.from_cli(args)
-        llm = LLM(engine_args.model, **{k: v for k, v in vars(engine_args).items() if k != "model"})
+        llm = LLM.from_engine_args(engine_args)
     except (ValueError, ModelSourceError) as exc:
         print(f"kvpilot generate: error: {exc}", file=sys.stderr)
         return 2

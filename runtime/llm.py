@@ -17,8 +17,18 @@ class LLM:
     """`LLM(model=None, **engine_args)`: `None` serves the embedded SmolLM2-135M-Instruct."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine_args = EngineArgs.from_kwargs(model, engine_args)
-        self.engine = LLMEngine(self.engine_args.create_engine_config())
+        self._start(EngineArgs.from_kwargs(model, engine_args))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """An LLM from already-parsed arguments (the CLI's), without re-splitting them."""
+        llm = cls.__new__(cls)
+        llm._start(engine_args)
+        return llm
+
+    def _start(self, engine_args: EngineArgs) -> None:
+        self.engine_args = engine_args
+        self.engine = LLMEngine(engine_args.create_engine_config())
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
