@@ -170,7 +170,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=d.gpu_memory_utilization)
     g.add_argument("--num-gpu-blocks-override", type=_positive_int, default=None)
     g.add_argument("--cpu-kv-cache-space", type=_non_negative_float, default=d.cpu_kv_cache_space, help="GiB of KV cache on the CPU")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                   help="reuse the KV blocks of prompt prefixes already computed (full blocks, matched by "
+                        "chained SHA-256 digests of their tokens)")
     g = parser.add_argument_group("scheduler")
     g.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)

@@ -1,26 +1,44 @@
-"""Block bookkeeping for the paged KV cache. No torch: plain counting, tested on its own.
+"""Block bookkeeping for the paged KV cache, with an optional prefix cache. No torch.
 
 The KV cache is `num_blocks` blocks of `block_size` token slots. A sequence holds the blocks in
 its `block_table`, in order: token position p lives in slot `block_table[p // block_size] *
-block_size + p % block_size`. Blocks carry reference counts so that a later prefix cache can
-share one block between sequences; a block returns to the free pool when its count reaches zero.
+block_size + p % block_size`. Blocks carry reference counts; a block returns to the free pool
+when its count reaches zero.
+
+Prefix caching (`enable_prefix_caching`): once a block is full and computed, it is registered
+under a digest of its tokens chained with its parent's digest (SHA-256, so one digest stands for
+the whole prefix up to the block's end and crafted prompts cannot collide with another user's
+prefix). A new sequence whose leading blocks match registered digests takes those blocks (their
+counts go up) instead of computing them again. A freed block keeps its contents and its digest
+while it waits in the free pool, least recently freed first, and is evicted (digest dropped) only
+when it is handed out again. Cached but unreferenced blocks count as free.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
 
 from kvpilot.runtime.sequence import Sequence
 
 
+def block_digest(parent: bytes, tokens: list[int]) -> bytes:
+    """The digest of a full block: its token ids chained with the digest of the prefix before it."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, not {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts = [0] * num_blocks
+        self.block_digests: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,14 +63,73 @@ class BlockManager:
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give `seq` the blocks for `num_new_tokens` more tokens (call can_append first)."""
         for _ in range(self.num_new_blocks(seq, num_new_tokens)):
-            block_id = self.free_block_ids.popleft()
+            block_id, _ = self.free_block_ids.popitem(last=False)
+            self._evict(block_id)
             self.ref_counts[block_id] = 1
             seq.block_table.append(block_id)
 
     def free(self, seq: Sequence) -> None:
-        """Drop `seq`'s hold on its blocks; unshared ones go back to the pool."""
+        """Drop `seq`'s hold on its blocks; unshared ones go back to the pool (last block first,
+        so a prefix's tail is evicted before its head)."""
         for block_id in reversed(seq.block_table):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
-                self.free_block_ids.append(block_id)
+                self.free_block_ids[block_id] = None
         seq.block_table = []
+        seq.prefix_digests = []
+
+    # ---- prefix cache ---------------------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+        """The cached blocks holding `seq`'s leading full blocks, in order, and their digests
+        (none when caching is off). The last token is never matched: its logits must be computed."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return [], []
+        matched: list[int] = []
+        digests: list[bytes] = []
+        bs = self.block_size
+        for i in range((seq.num_tokens - 1) // bs):
+            digest = block_digest(digests[-1] if digests else b"", seq.token_ids[i * bs:(i + 1) * bs])
+            block_id = self.cached.get(digest)
+            if block_id is None:
+                break
+            matched.append(block_id)
+            digests.append(digest)
+        return matched, digests
+
+    def can_take(self, matched: list[int], num_new_tokens: int) -> bool:
+        """Whether a sequence can take `matched` and then blocks for `num_new_tokens` more tokens."""
+        revived = sum(1 for b in matched if self.ref_counts[b] == 0)
+        needed = self.num_blocks_for(len(matched) * self.block_size + num_new_tokens) - len(matched)
+        return needed + revived <= self.num_free_blocks
+
+    def take(self, seq: Sequence, matched: list[int], digests: list[bytes]) -> None:
+        """Give `seq` the matched blocks; their tokens count as computed."""
+        for block_id in matched:
+            if self.ref_counts[block_id] == 0:
+                del self.free_block_ids[block_id]
+            self.ref_counts[block_id] += 1
+        seq.block_table = list(matched)
+        seq.prefix_digests = list(digests)
+        seq.num_computed_tokens = len(matched) * self.block_size
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Register `seq`'s blocks that are now full and computed (call between steps)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(len(seq.prefix_digests), full):
+            parent = seq.prefix_digests[-1] if seq.prefix_digests else b""
+            digest = block_digest(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            seq.prefix_digests.append(digest)
+            block_id = seq.block_table[i]
+            if self.block_digests[block_id] is None and digest not in self.cached:
+                self.cached[digest] = block_id  # else an identical block is cached: keep that one
+                self.block_digests[block_id] = digest
+
+    def _evict(self, block_id: int) -> None:
+        digest = self.block_digests[block_id]
+        if digest is not None:
+            del self.cached[digest]
+            self.block_digests[block_id] = None

@@ -60,7 +60,8 @@ class LLMEngine:
             self._workers, tp = start_tensor_parallel(config)
         self.runner = ModelRunner(config, tp)
         self.tokenizer = Tokenizer(config.model.tokenizer) if config.model.tokenizer else None
-        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._generators: dict[int, torch.Generator] = {}
@@ -165,7 +166,8 @@ class LLMEngine:
             cache = dataclasses.replace(cache, block_size=wanted["block_size"])  # type: ignore[arg-type]
             self.scheduler.preempt_all()
             self.runner.resize_kv_cache(cache.block_size)
-            self.block_manager = BlockManager(self.runner.num_blocks, cache.block_size)
+            self.block_manager = BlockManager(self.runner.num_blocks, cache.block_size,
+                                              cache.enable_prefix_caching)
             self.scheduler.block_manager = self.block_manager
         self.config = dataclasses.replace(self.config, cache=cache, scheduler=scheduler)
         self.scheduler.config = scheduler
@@ -295,4 +297,5 @@ class LLMEngine:
             ))
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=completions,
-                             finished=request.is_finished, metrics=request.metrics)
+                             finished=request.is_finished, metrics=request.metrics,
+                             num_cached_tokens=max(seq.num_cached_tokens for seq in request.seqs))

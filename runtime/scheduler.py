@@ -10,6 +10,10 @@ without it a prompt is admitted only whole. A step therefore has one shape for e
 When a running sequence needs a block and none is free, the newest running sequence is
 preempted (recompute: its blocks are freed and it is prefilled again later). Swap preemption and
 the fair/priority policies plug in at `preempt` and `_pick_victim`.
+
+With prefix caching, a sequence being admitted first takes the cached blocks of its leading
+tokens (block_manager.py) and is scheduled only for the rest; blocks are registered in the cache
+once computed, and before a sequence finishes or is preempted, so a recompute finds its own blocks.
 """
 
 from __future__ import annotations
@@ -70,12 +74,15 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        self.block_manager.register_computed(seq)
         self.block_manager.free(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
+        for seq in self.running:  # what the last step computed becomes reusable
+            self.block_manager.register_computed(seq)
 
         for seq in list(self.running):
             if budget == 0:
@@ -104,13 +111,19 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_new = seq.num_uncomputed_tokens
+            matched, digests = self.block_manager.match_prefix(seq)
+            cached = len(matched) * self.block_manager.block_size
+            num_new = seq.num_uncomputed_tokens - cached
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.block_manager.can_append(seq, num_new):
+            if not self.block_manager.can_take(matched, num_new):
                 break
             self.waiting.popleft()
+            if matched:
+                self.block_manager.take(seq, matched, digests)
+                if seq.num_output_tokens == 0:
+                    seq.num_cached_tokens = max(seq.num_cached_tokens, cached)
             self.block_manager.append(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -127,6 +140,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the sequence's KV and queue it first for re-prefill."""
         self.running.remove(seq)
+        self.block_manager.register_computed(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

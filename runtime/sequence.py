@@ -37,6 +37,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # prefix cache: digests of the leading full blocks already looked up or registered
+    prefix_digests: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     # output side, filled by the engine's postprocessing
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0

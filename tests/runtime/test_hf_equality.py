@@ -107,3 +107,45 @@ def test_logprobs_agree_with_hf_log_softmax(smol_llm: LLM, smol_hf) -> None:
         assert set(entry) == set(top_ids)
         total += entry[token].logprob
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+@pytest.mark.parametrize("block_size,chunk", [(8, None), (16, 24)])
+def test_prefix_caching_reuses_blocks_and_matches_hf(block_size: int, chunk: int | None, tiny_models) -> None:
+    """Requests sharing a long prefix: later ones compute only their uncached tail, and every
+    output still equals HF's; after a preemption the re-prefill finds the sequence's own blocks."""
+    folder, hf = tiny_models["qwen2"]
+    rng = random.Random(block_size)
+    system = [rng.randrange(256) for _ in range(70)]
+    prompts = [system + [rng.randrange(256) for _ in range(n)] for n in (5, 17, 1)]
+    llm = LLM(folder, max_model_len=256, block_size=block_size, enable_prefix_caching=True,
+              enable_chunked_prefill=chunk is not None, max_num_batched_tokens=chunk or 256)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], params)[0]
+    assert first.num_cached_tokens == 0
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
+    for prompt, out in zip(prompts, [first, *rest], strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+    assert [o.num_cached_tokens for o in rest] == [70 // block_size * block_size] * 2
+    # the same prompt again hits its own generated blocks too, still equal to HF
+    again = llm.generate([{"prompt_token_ids": prompts[1]}], params)[0]
+    assert again.num_cached_tokens == (len(prompts[1]) - 1) // block_size * block_size
+    assert again.outputs[0].token_ids == rest[0].outputs[0].token_ids
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+
+
+def test_prefix_caching_under_preemption_and_n_samples_matches_hf(tiny_models) -> None:
+    folder, hf = tiny_models["llama"]
+    rng = random.Random(5)
+    shared = [rng.randrange(256) for _ in range(40)]
+    prompts = [shared + [rng.randrange(256) for _ in range(n)] for n in (3, 30, 11, 22)]
+    # 24 blocks of 8: four sequences growing to ~90 tokens cannot all fit, so some are preempted
+    llm = LLM(folder, max_model_len=128, block_size=8, enable_prefix_caching=True, num_gpu_blocks_override=24)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=40))
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 40)
+    pair = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=8, n=2))[0]
+    assert [o.token_ids for o in pair.outputs] == [hf_greedy(hf, prompts[0], 8)] * 2
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

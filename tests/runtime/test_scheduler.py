@@ -122,3 +122,100 @@ def test_config_errors_name_the_field() -> None:
         SchedulerConfig(max_num_batched_tokens=100, max_model_len=512, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="preemption_mode"):
         SchedulerConfig(preemption_mode="drop")
+
+
+# ---- prefix cache ----------------------------------------------------------------------------
+
+
+def seq_of(tokens: list[int], rid: str = "r") -> Sequence:
+    return Request(rid, None, list(tokens), SamplingParams(), arrival_time=0.0).seqs[0]
+
+
+def computed(bm: BlockManager, seq: Sequence) -> Sequence:
+    """Admit `seq` as the scheduler would, compute its whole prompt and register its blocks."""
+    matched, digests = bm.match_prefix(seq)
+    bm.take(seq, matched, digests)
+    bm.append(seq, seq.num_uncomputed_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.register_computed(seq)
+    return seq
+
+
+def test_shared_prefix_shares_full_blocks_and_never_the_last_token() -> None:
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    a = computed(bm, seq_of(list(range(10))))  # blocks: [0-3] [4-7] [8,9]
+    b = seq_of(list(range(8)) + [99, 98, 97])
+    matched, digests = bm.match_prefix(b)
+    assert matched == a.block_table[:2]  # the two full blocks; the partial third is not registered
+    bm.take(b, matched, digests)
+    assert b.num_computed_tokens == 8 and [bm.ref_counts[x] for x in matched] == [2, 2]
+    # a prompt that is exactly two cached blocks still computes its last token
+    c = seq_of(list(range(8)))
+    assert bm.match_prefix(c)[0] == a.block_table[:1]
+
+
+def test_a_different_earlier_block_changes_every_later_digest() -> None:
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    computed(bm, seq_of(list(range(12))))
+    other = seq_of([7, 7, 7, 7] + list(range(4, 12)))  # same second and third blocks, new first
+    assert bm.match_prefix(other) == ([], [])
+
+
+def test_freed_blocks_stay_cached_until_handed_out_again() -> None:
+    bm = BlockManager(4, 4, enable_prefix_caching=True)
+    a = computed(bm, seq_of(list(range(9))))  # 3 blocks
+    kept = list(a.block_table)
+    bm.free(a)
+    assert bm.num_free_blocks == 4  # cached blocks count as free
+    again = seq_of(list(range(9)))
+    matched, _ = bm.match_prefix(again)
+    assert matched == kept[:2]
+    # a stranger needing every block evicts the cache, least recently freed first
+    stranger = computed(bm, seq_of([50 + i for i in range(16)]))
+    assert sorted(stranger.block_table) == [0, 1, 2, 3]
+    assert bm.match_prefix(seq_of(list(range(9)))) == ([], [])
+    bm.free(stranger)
+    assert bm.num_free_blocks == 4 and not any(bm.ref_counts)
+
+
+def test_can_take_counts_revived_blocks_against_the_free_pool() -> None:
+    bm = BlockManager(3, 4, enable_prefix_caching=True)
+    a = computed(bm, seq_of(list(range(8))))  # 2 blocks, then freed: both cached and free
+    bm.free(a)
+    b = seq_of(list(range(8)) + [1, 2, 3, 4, 5])
+    matched, _ = bm.match_prefix(b)
+    assert len(matched) == 2
+    assert bm.can_take(matched, 4)  # 2 revived + 1 new = 3 free blocks
+    assert not bm.can_take(matched, 5)  # would need a fourth block
+
+
+def test_scheduler_admits_a_cached_prefix_with_only_its_uncached_tail() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512),
+                      BlockManager(64, 16, enable_prefix_caching=True))
+    first = seq_of(list(range(40)), "a")
+    sched.add(first)
+    run_step(sched, sched.schedule())  # prefill of 40 tokens, one token sampled
+    second = seq_of(list(range(40)) + [500], "b")
+    sched.add(second)
+    out = sched.schedule()
+    by_seq = {s.seq.request.request_id: s for s in out.scheduled}
+    assert by_seq["a"].num_new_tokens == 1  # decode
+    assert by_seq["b"].num_new_tokens == 41 - 32  # two 16-token blocks came from the cache
+    assert second.num_cached_tokens == 32
+    assert second.block_table[:2] == first.block_table[:2]
+    run_step(sched, out)
+    for seq in (first, second):
+        sched.finish(seq)
+    bm = sched.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+
+
+def test_recompute_preemption_finds_its_own_blocks_in_the_cache() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512),
+                      BlockManager(64, 16, enable_prefix_caching=True))
+    seq = seq_of(list(range(40)))
+    sched.add(seq)
+    run_step(sched, sched.schedule())
+    sched.preempt(seq)
+    out = sched.schedule()
+    assert [s.num_new_tokens for s in out.scheduled] == [41 - 32]
