@@ -22,7 +22,8 @@ LONG = {"model": MODEL, "prompt": "Count to one hundred:", "max_tokens": 400, "i
 
 @pytest.fixture(scope="module")
 def server(smol_folder: str) -> Iterator[RunningServer]:
-    running = start_server({"max_model_len": 1024, "max_num_seqs": 2}, admin_token=ADMIN, max_queue_len=2,
+    running = start_server({"max_model_len": 1024, "max_num_seqs": 2, "enable_prefix_caching": True},
+                           admin_token=ADMIN, max_queue_len=2,
                            allowed_model_root=str(Path(smol_folder).parent))
     yield running
     running.stop()
@@ -89,6 +90,19 @@ def test_metrics_has_both_families_and_moves_as_requests_run(server: RunningServ
         - before.get("vllm:request_success_total{finished_reason=length}", 0) == 1
     assert after["vllm:e2e_request_latency_seconds_count"] - before["vllm:e2e_request_latency_seconds_count"] == 1
     assert after["kvpilot_iteration_time_seconds_count"] - before["kvpilot_iteration_time_seconds_count"] >= 5
+
+
+def test_prefix_cache_hits_count_the_reused_prompt_tokens(server: RunningServer, client: openai.OpenAI) -> None:
+    prompt = "Write a long story about a lighthouse keeper who finds a message in a bottle. " * 3
+    client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=2)
+    before = _metrics(server)
+    reply = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=2)
+    after = _metrics(server)
+    assert reply.usage is not None and reply.usage.prompt_tokens > 32
+    queried = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
+    hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
+    assert queried == reply.usage.prompt_tokens
+    assert hits == (reply.usage.prompt_tokens - 1) // 16 * 16  # every full block but the last token's
 
 
 def test_running_request_shows_in_gauges(server: RunningServer) -> None:
