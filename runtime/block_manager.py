@@ -62,11 +62,17 @@ class BlockManager:
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give `seq` the blocks for `num_new_tokens` more tokens (call can_append first)."""
-        for _ in range(self.num_new_blocks(seq, num_new_tokens)):
+        seq.block_table.extend(self.allocate(self.num_new_blocks(seq, num_new_tokens)))
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` blocks from the pool, each held once (least recently freed first)."""
+        blocks = []
+        for _ in range(count):
             block_id, _ = self.free_block_ids.popitem(last=False)
             self._evict(block_id)
             self.ref_counts[block_id] = 1
-            seq.block_table.append(block_id)
+            blocks.append(block_id)
+        return blocks
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s hold on its blocks; unshared ones go back to the pool (last block first,

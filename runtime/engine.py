@@ -49,6 +49,9 @@ class StepStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_preemptions: int
+    num_swapped_out: int = 0  # of the preemptions, those swapped to host memory
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
 
 
 class LLMEngine:
@@ -62,7 +65,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model.tokenizer) if config.model.tokenizer else None
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.runner.num_swap_blocks)
         self.requests: dict[str, Request] = {}
         self._generators: dict[int, torch.Generator] = {}
         self.last_step: StepStats | None = None
@@ -169,6 +172,7 @@ class LLMEngine:
             self.block_manager = BlockManager(self.runner.num_blocks, cache.block_size,
                                               cache.enable_prefix_caching)
             self.scheduler.block_manager = self.block_manager
+            self.scheduler.set_swap_space(self.runner.num_swap_blocks)
         self.config = dataclasses.replace(self.config, cache=cache, scheduler=scheduler)
         self.scheduler.config = scheduler
         after = self.live_config()
@@ -179,19 +183,27 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
-        if sched.is_empty:
+        if sched.swap_out or sched.swap_in:  # before the forward pass reuses the swapped-out blocks
+            self.runner.swap_blocks(sched.swap_out, sched.swap_in)
+        if sched.is_empty and not sched.preempted:
             self.last_step = None
             return []
+        outputs: list[RequestOutput] = []
         rows = [self._sampling_row(s.seq) for s in sched.scheduled if s.samples]
-        result = self.runner.execute(sched.scheduled, rows)
-        outputs = self._postprocess(sched, result)
+        if not sched.is_empty:
+            result = self.runner.execute(sched.scheduled, rows)
+            outputs = self._postprocess(sched, result)
         first_tokens = [s.seq for s in sched.scheduled if s.samples and s.seq.num_output_tokens == 1]
+        block_bytes = self.runner.bytes_per_block
         self.last_step = StepStats(
             duration_s=time.perf_counter() - start,
             num_batched_tokens=sched.num_batched_tokens,
             num_prompt_tokens=sum(seq.num_prompt_tokens for seq in first_tokens),
             num_generation_tokens=len(rows),
             num_preemptions=len(sched.preempted),
+            num_swapped_out=sched.num_swapped_out,
+            swap_out_bytes=len(sched.swap_out) * block_bytes,
+            swap_in_bytes=len(sched.swap_in) * block_bytes,
         )
         return outputs
 

@@ -103,9 +103,11 @@ class ServerMetrics:
             self.iteration_time.labels(name).observe(stats.duration_s)
             self.generation_tokens.labels(name).inc(stats.num_generation_tokens)
             if stats.num_preemptions:
-                mode = engine.config.scheduler.preemption_mode
                 self.preemptions.labels(name).inc(stats.num_preemptions)
-                self.preemptions_by_mode.labels(name, mode).inc(stats.num_preemptions)
+                self.preemptions_by_mode.labels(name, "swap").inc(stats.num_swapped_out)
+                self.preemptions_by_mode.labels(name, "recompute").inc(stats.num_preemptions - stats.num_swapped_out)
+            self.swap_bytes.labels(name, "out").inc(stats.swap_out_bytes)
+            self.swap_bytes.labels(name, "in").inc(stats.swap_in_bytes)
         for out in outputs:
             self._record_output(out)
         if len(self._last_token_time) > len(engine.requests):  # aborted requests

@@ -62,6 +62,12 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self._host_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # swap space, made on first use
+
+    @property
+    def num_swap_blocks(self) -> int:
+        """Host blocks of the swap space (--swap-space GiB; per rank under tensor parallelism)."""
+        return int(self.config.cache.swap_space_gib * GiB) // self.bytes_per_block
 
     @property
     def bytes_per_block(self) -> int:
@@ -128,6 +134,33 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = total_bytes // self.bytes_per_block
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self._host_caches = None
+
+    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy (device, host) block pairs out to the swap space, then (host, device) pairs back in."""
+        if self.tp.size > 1 and self.tp.rank == 0:
+            self.tp.broadcast(("swap", (swap_out, swap_in)))
+        if self._host_caches is None:
+            cfg = self.model_config
+            shape = (self.num_swap_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
+            pin = self.device.type == "cuda"
+            # empty, not zeros: only written blocks are ever read, and untouched host pages cost nothing
+            self._host_caches = [(torch.empty(shape, dtype=self.dtype, pin_memory=pin),
+                                  torch.empty(shape, dtype=self.dtype, pin_memory=pin))
+                                 for _ in range(cfg.num_layers)]
+        with torch.inference_mode():
+            if swap_out:
+                src = torch.tensor([d for d, _ in swap_out], device=self.device)
+                dst = torch.tensor([h for _, h in swap_out])
+                for device_kv, host_kv in zip(self.kv_caches, self._host_caches, strict=True):
+                    for cache, host in zip(device_kv, host_kv, strict=True):
+                        host.index_copy_(0, dst, cache.index_select(0, src).cpu())
+            if swap_in:
+                src = torch.tensor([h for h, _ in swap_in])
+                dst = torch.tensor([d for _, d in swap_in], device=self.device)
+                for device_kv, host_kv in zip(self.kv_caches, self._host_caches, strict=True):
+                    for cache, host in zip(device_kv, host_kv, strict=True):
+                        cache.index_copy_(0, dst, host.index_select(0, src).to(self.device))
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
         bs = self.block_size
@@ -184,6 +217,8 @@ class ModelRunner:
                 self._run(payload)
             elif command == "resize":
                 self.resize_kv_cache(payload)
+            elif command == "swap":
+                self.swap_blocks(*payload)
             elif command == "stop":
                 return
 

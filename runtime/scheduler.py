@@ -8,8 +8,13 @@ without it a prompt is admitted only whole. A step therefore has one shape for e
 "for each scheduled sequence, compute its next `num_new_tokens` tokens".
 
 When a running sequence needs a block and none is free, the newest running sequence is
-preempted (recompute: its blocks are freed and it is prefilled again later). Swap preemption and
-the fair/priority policies plug in at `preempt` and `_pick_victim`.
+preempted. Recompute (`preemption_mode=recompute`): its blocks are freed and it is prefilled
+again later. Swap (`preemption_mode=swap`): its blocks are copied to host memory (the swap
+space) and freed; it waits in `swapped` and, before any new request is admitted, is copied back
+into fresh blocks and continues where it stopped. A swap falls back to recompute when the swap
+space is full. The copies are listed in the step's output (`swap_out` before `swap_in`) and the
+engine has the model runner do them before the step's forward pass. The mode is read at each
+preemption, so it can change live. The fair/priority policies plug in at `_pick_victim`.
 
 With prefix caching, a sequence being admitted first takes the cached blocks of its leading
 tokens (block_manager.py) and is scheduled only for the rest; blocks are registered in the cache
@@ -41,6 +46,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    num_swapped_out: int = 0  # of `preempted`, the sequences swapped rather than recomputed
 
     @property
     def num_batched_tokens(self) -> int:
@@ -52,16 +60,29 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_swap_blocks: int = 0) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.free_swap_blocks: deque[int] = deque(range(num_swap_blocks))
+        self.num_swap_blocks = num_swap_blocks
         self.num_preemptions = 0
+        self.num_swapped_out = 0  # of the preemptions, those swapped to host memory
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def set_swap_space(self, num_swap_blocks: int) -> None:
+        """A new swap space (after a block-size change); swapped sequences are recomputed instead."""
+        for seq in reversed(self.swapped):
+            self._drop_swap(seq)
+            self._requeue(seq)
+        self.swapped.clear()
+        self.free_swap_blocks = deque(range(num_swap_blocks))
+        self.num_swap_blocks = num_swap_blocks
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -73,6 +94,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self._drop_swap(seq)
         seq.status = SequenceStatus.FINISHED
         self.block_manager.register_computed(seq)
         self.block_manager.free(seq)
@@ -92,7 +116,7 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_append(seq, num_new):
                 victim = self._pick_victim(scheduled_ids)
-                self.preempt(victim)
+                self.preempt(victim, out)
                 out.preempted.append(victim)
                 out.scheduled = [s for s in out.scheduled if s.seq is not victim]
                 if victim is seq:
@@ -105,8 +129,32 @@ class Scheduler:
             budget -= num_new
 
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            budget = self._swap_in(out, budget)
+            if not self.swapped:
+                self._admit_waiting(out, budget)
         return out
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """Bring swapped sequences back into fresh device blocks, oldest first; returns the budget left."""
+        bm = self.block_manager
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = seq.num_uncomputed_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if max(len(seq.swap_table), bm.num_blocks_for(seq.num_computed_tokens + num_new)) > bm.num_free_blocks:
+                break
+            self.swapped.popleft()
+            seq.block_table = bm.allocate(len(seq.swap_table))
+            out.swap_in.extend(zip(seq.swap_table, seq.block_table, strict=True))
+            self._drop_swap(seq)
+            bm.append(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -137,18 +185,38 @@ class Scheduler:
                 return seq
         return self.running[-1]
 
-    def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the sequence's KV and queue it first for re-prefill."""
+    def preempt(self, seq: Sequence, out: SchedulerOutput | None = None) -> None:
+        """Take a running sequence off the device: swapped to host memory when the mode is swap,
+        `out` is given (its copies must run before the step) and the swap space has room; else
+        recomputed (its KV dropped, queued first for re-prefill)."""
         self.running.remove(seq)
         self.block_manager.register_computed(seq)
-        self.block_manager.free(seq)
+        table = seq.block_table
+        if (out is not None and self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0
+                and len(table) <= len(self.free_swap_blocks)):
+            seq.swap_table = [self.free_swap_blocks.popleft() for _ in table]
+            out.swap_out.extend(zip(table, seq.swap_table, strict=True))
+            out.num_swapped_out += 1
+            self.num_swapped_out += 1
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+        else:
+            self.block_manager.free(seq)
+            self._requeue(seq)
+        self.num_preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+
+    def _drop_swap(self, seq: Sequence) -> None:
+        self.free_swap_blocks.extend(seq.swap_table)
+        seq.swap_table = []
 
     def preempt_all(self) -> int:
-        """Preempt every running sequence, oldest ending first in the queue; returns how many."""
+        """Recompute-preempt every running sequence, oldest ending first in the queue; returns how many."""
         running = list(self.running)
         for seq in reversed(running):
             self.preempt(seq)

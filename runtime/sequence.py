@@ -37,6 +37,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    swap_table: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
     # prefix cache: digests of the leading full blocks already looked up or registered
     prefix_digests: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission

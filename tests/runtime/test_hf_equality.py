@@ -92,6 +92,82 @@ def test_preemption_under_a_tiny_cache_keeps_greedy_output(tiny_models) -> None:
     assert llm.engine.block_manager.num_free_blocks == 20
 
 
+def run_counting_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:
+    """Step the engine by hand: each prompt's output tokens, and how many tokens the steps computed."""
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"c{i}", p, params)
+    outputs: dict[str, list[int]] = {}
+    computed = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+        computed += engine.last_step.num_batched_tokens if engine.last_step else 0
+    return [outputs[f"c{i}"] for i in range(len(prompts))], computed
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_swap_preemption_keeps_greedy_output_without_recomputing(block_size: int, tiny_models) -> None:
+    """Swapped-out sequences come back from host memory and continue: same tokens as HF, and fewer
+    tokens computed than under recompute (which prefills the preempted sequences again)."""
+    folder, hf = tiny_models["qwen2"]
+    prompts = random_prompts(random.Random(7), [40, 50, 60, 45])
+    params = SamplingParams(temperature=0, max_tokens=60)
+    counts = {}
+    for mode in ("recompute", "swap"):
+        llm = LLM(folder, max_model_len=256, num_gpu_blocks_override=320 // block_size, block_size=block_size,
+                  preemption_mode=mode, swap_space=0.01)
+        outs, counts[mode] = run_counting_tokens(llm, prompts, params)
+        sched = llm.engine.scheduler
+        assert sched.num_preemptions > 0
+        assert sched.num_swapped_out == (sched.num_preemptions if mode == "swap" else 0)
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert out == hf_greedy(hf, prompt, 60)
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+        assert len(sched.free_swap_blocks) == sched.num_swap_blocks and not sched.swapped
+    no_preemption = sum(len(p) + 60 - 1 for p in prompts)
+    assert counts["swap"] == no_preemption < counts["recompute"]
+
+
+BLOCK_BYTES = 2 * 3 * 2 * 16 * 4 * 16  # K and V x 3 layers x 2 KV heads x head dim 16 x fp32 x 16 tokens
+
+
+def test_swap_falls_back_to_recompute_when_the_swap_space_is_full(tiny_models) -> None:
+    folder, hf = tiny_models["qwen2"]
+    prompts = random_prompts(random.Random(7), [40, 50, 60, 45])
+    llm = LLM(folder, max_model_len=256, num_gpu_blocks_override=20, block_size=16, preemption_mode="swap",
+              swap_space=2.5 * BLOCK_BYTES / (1 << 30))  # room for two blocks
+    assert llm.engine.runner.bytes_per_block == BLOCK_BYTES and llm.engine.scheduler.num_swap_blocks == 2
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=60))
+    sched = llm.engine.scheduler
+    assert sched.num_preemptions > sched.num_swapped_out  # some sequences held more than two blocks
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 60)
+
+
+def test_live_switch_to_swap_and_a_block_size_change_with_swapped_sequences(tiny_models) -> None:
+    folder, hf = tiny_models["llama"]
+    prompts = random_prompts(random.Random(3), [40, 50, 60, 45])
+    params = SamplingParams(temperature=0, max_tokens=50)
+    llm = LLM(folder, max_model_len=256, num_gpu_blocks_override=20, block_size=16, swap_space=0.01)
+    engine = llm.engine
+    engine.update_config({"preemption_mode": "swap"})
+    for i, p in enumerate(prompts):
+        engine.add_request(f"s{i}", p, params)
+    outputs: dict[str, list[int]] = {}
+    resized = False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+        if engine.scheduler.swapped and not resized:  # re-cut the cache while sequences sit in host memory
+            engine.update_config({"block_size": 8})
+            resized = True
+    assert resized and engine.scheduler.num_swapped_out > 0
+    for i, p in enumerate(prompts):
+        assert outputs[f"s{i}"] == hf_greedy(hf, p, 50)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_logprobs_agree_with_hf_log_softmax(smol_llm: LLM, smol_hf) -> None:
     prompt = chat_ids(smol_llm, "Name three colours.")
     out = smol_llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True))[0].outputs[0]

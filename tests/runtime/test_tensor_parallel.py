@@ -37,15 +37,17 @@ def test_tp2_greedy_equals_tp1(kind: str, tiny_models) -> None:
     assert again == single
 
 
-def test_tp2_under_preemption_equals_tp1(tiny_models) -> None:
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tp2_under_preemption_equals_tp1(mode: str, tiny_models) -> None:
     folder, _ = tiny_models["llama"]
     params = SamplingParams(temperature=0, max_tokens=40)
-    kw = dict(max_model_len=256, num_gpu_blocks_override=16, block_size=16)
+    kw = dict(max_model_len=256, num_gpu_blocks_override=16, block_size=16, preemption_mode=mode, swap_space=0.01)
     single = [o.outputs[0].token_ids for o in LLM(folder, **kw).generate(prompts(2), params)]
     llm = LLM(folder, tensor_parallel_size=2, **kw)
     try:
         sharded = [o.outputs[0].token_ids for o in llm.generate(prompts(2), params)]
         assert llm.engine.scheduler.num_preemptions > 0
+        assert (llm.engine.scheduler.num_swapped_out > 0) == (mode == "swap")
     finally:
         llm.shutdown()
     assert sharded == single
