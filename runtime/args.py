@@ -177,7 +177,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill)
-    g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=d.preemption_mode)
+    g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=d.preemption_mode,
+                   help="recompute: drop a preempted sequence's KV and prefill it again; swap: copy it to "
+                        "the --swap-space host memory and back (recompute when that is full); live-tunable")
     g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default=d.scheduler_policy)
     g.add_argument("--max-queue-len", type=_positive_int, default=None)
     g = parser.add_argument_group("device")
