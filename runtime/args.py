@@ -180,7 +180,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=d.preemption_mode,
                    help="recompute: drop a preempted sequence's KV and prefill it again; swap: copy it to "
                         "the --swap-space host memory and back (recompute when that is full); live-tunable")
-    g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default=d.scheduler_policy)
+    g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default=d.scheduler_policy,
+                   help="fcfs: arrival order; priority: the request's `priority` (lower first), then arrival, "
+                        "and preemption takes the least important; fair: as fcfs for now; live-tunable")
     g.add_argument("--max-queue-len", type=_positive_int, default=None)
     g = parser.add_argument_group("device")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)

@@ -54,6 +54,7 @@ class _Add:
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
+    priority: int
     admitted: asyncio.Future[None]
 
 
@@ -132,14 +133,14 @@ class AsyncEngine:
     # ---- requests (event loop) -------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams) -> RequestStream:
+                          params: SamplingParams, priority: int = 0) -> RequestStream:
         """Admit a request; raises `RequestError`, `QueueFullError` or `EngineDeadError`."""
         self._check_alive()
         assert self._loop is not None, "start() first"
         stream = RequestStream(request_id)
         admitted: asyncio.Future[None] = self._loop.create_future()
         self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, prompt, params, admitted))
+        self._inbox.put(_Add(request_id, prompt, params, priority, admitted))
         try:
             await admitted
         except BaseException:
@@ -274,7 +275,7 @@ class AsyncEngine:
                 f"the server's queue is full ({self.max_queue_len} requests waiting); retry later")
         else:
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority)
             except ValueError as e:
                 error = e
         self._resolve(cmd.admitted, None, error)

@@ -57,7 +57,7 @@ class OpenAIServing:
                            code="invalid_value") from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         top = body.top_logprobs or 0
-        return await self._serve(request_id, prompt, params, raw, body.stream, body.include_usage,
+        return await self._serve(request_id, prompt, params, body.priority, raw, body.stream, body.include_usage,
                                  body.stream_options is not None and body.stream_options.continuous_usage_stats,
                                  "chat.completion", lambda c, chars, tokens: self._chat_choice(c, chars, tokens, top, body.stream))
 
@@ -66,7 +66,7 @@ class OpenAIServing:
         params = _to_params(body.to_sampling_params)
         prompt = _to_params(body.single_prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        return await self._serve(request_id, prompt, params, raw, body.stream, body.include_usage,
+        return await self._serve(request_id, prompt, params, body.priority, raw, body.stream, body.include_usage,
                                  body.stream_options is not None and body.stream_options.continuous_usage_stats,
                                  "text_completion", self._completion_choice)
 
@@ -77,13 +77,13 @@ class OpenAIServing:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
 
-    async def _serve(self, request_id: str, prompt: str | list[int], params: SamplingParams, raw: Request,
+    async def _serve(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int, raw: Request,
                      stream: bool, include_usage: bool, continuous_usage: bool, kind: str,
                      choice: ChoiceBuilder) -> Response:
         refusal = self.unavailable()
         if refusal is not None:
             raise refusal
-        outputs = await self._admit(request_id, prompt, params)
+        outputs = await self._admit(request_id, prompt, params, priority)
         created = int(time.time())
         if stream:
             chunks = self._stream(request_id, outputs, created, kind, choice, include_usage, continuous_usage)
@@ -98,9 +98,10 @@ class OpenAIServing:
             "usage": _usage(final),
         })
 
-    async def _admit(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+    async def _admit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     priority: int) -> RequestStream:
         try:
-            return await self.engine.add_request(request_id, prompt, params)
+            return await self.engine.add_request(request_id, prompt, params, priority)
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
         except EngineDeadError as e:

@@ -60,6 +60,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's scheduling extra: lower runs first under --scheduler-policy priority (ignored otherwise)
+    priority: int = 0
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for values out of range."""

@@ -14,7 +14,12 @@ space) and freed; it waits in `swapped` and, before any new request is admitted,
 into fresh blocks and continues where it stopped. A swap falls back to recompute when the swap
 space is full. The copies are listed in the step's output (`swap_out` before `swap_in`) and the
 engine has the model runner do them before the step's forward pass. The mode is read at each
-preemption, so it can change live. The fair/priority policies plug in at `_pick_victim`.
+preemption, so it can change live.
+
+Policies: `fcfs` admits in arrival order and preempts the newest running sequence. `priority`
+(vLLM's) orders the waiting and swapped queues by (request priority, arrival), lower first, and
+preempts the running sequence that comes last in that order. The policy too is read every step.
+The `fair` policy is accepted and behaves as `fcfs` for now.
 
 With prefix caching, a sequence being admitted first takes the cached blocks of its leading
 tokens (block_manager.py) and is scheduled only for the rest; blocks are registered in the cache
@@ -107,6 +112,10 @@ class Scheduler:
         scheduled_ids: set[int] = set()
         for seq in self.running:  # what the last step computed becomes reusable
             self.block_manager.register_computed(seq)
+        if self.config.policy == "priority":  # stable sorts: cheap when already in order
+            self.running.sort(key=_priority_key)  # the token budget goes to the first ones first
+            self.waiting = deque(sorted(self.waiting, key=_priority_key))
+            self.swapped = deque(sorted(self.swapped, key=_priority_key))
 
         for seq in list(self.running):
             if budget == 0:
@@ -179,11 +188,12 @@ class Scheduler:
             budget -= num_new
 
     def _pick_victim(self, scheduled_ids: set[int]) -> Sequence:
-        """The newest running sequence not yet scheduled this step (else the newest of all)."""
-        for seq in reversed(self.running):
-            if seq.seq_id not in scheduled_ids:
-                return seq
-        return self.running[-1]
+        """The running sequence that comes last in the policy's order (the newest under fcfs), not
+        yet scheduled this step if there is one."""
+        candidates = [s for s in self.running if s.seq_id not in scheduled_ids] or self.running
+        if self.config.policy == "priority":
+            return max(candidates, key=_priority_key)
+        return candidates[-1]
 
     def preempt(self, seq: Sequence, out: SchedulerOutput | None = None) -> None:
         """Take a running sequence off the device: swapped to host memory when the mode is swap,
@@ -221,3 +231,7 @@ class Scheduler:
         for seq in reversed(running):
             self.preempt(seq)
         return len(running)
+
+
+def _priority_key(seq: Sequence) -> tuple[int, float, int]:
+    return seq.request.priority, seq.request.arrival_time, seq.seq_id

@@ -145,3 +145,25 @@ def test_update_config_rejects_bad_values_and_changes_nothing(tiny_models) -> No
         with pytest.raises(ValueError, match=field):
             engine.update_config(bad)
     assert engine.live_config() == before
+
+
+def test_priority_policy_serves_the_most_important_request_first(tiny_models) -> None:
+    from kvpilot.runtime import LLM, SamplingParams
+
+    folder, _ = tiny_models["llama"]
+    llm = LLM(folder, max_model_len=128, max_num_seqs=1, scheduler_policy="priority")
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=3)
+    for rid, priority in (("low", 7), ("high", 0), ("mid", 3)):
+        engine.add_request(rid, [1, 2, 3, 4], params, priority=priority)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["high", "mid", "low"]
+    engine.update_config({"scheduler_policy": "fcfs"})  # live: arrival order again
+    for rid, priority in (("first", 7), ("second", 0)):
+        engine.add_request(rid, [1, 2, 3, 4], params, priority=priority)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["first", "second"]

@@ -219,3 +219,47 @@ def test_recompute_preemption_finds_its_own_blocks_in_the_cache() -> None:
     sched.preempt(seq)
     out = sched.schedule()
     assert [s.num_new_tokens for s in out.scheduled] == [41 - 32]
+
+
+# ---- priority policy -------------------------------------------------------------------------
+
+
+def prio_seq(num_prompt: int, rid: str, priority: int, arrival: float) -> Sequence:
+    return Request(rid, None, list(range(num_prompt)), SamplingParams(), arrival_time=arrival,
+                   priority=priority).seqs[0]
+
+
+def test_priority_policy_admits_by_priority_then_arrival() -> None:
+    sched = make(max_num_seqs=1, policy="priority")
+    seqs = [prio_seq(5, "late-low", 5, 0.0), prio_seq(5, "urgent", 0, 2.0), prio_seq(5, "next", 1, 1.0),
+            prio_seq(5, "next-later", 1, 3.0)]
+    for s in seqs:
+        sched.add(s)
+    order = []
+    while sched.num_unfinished:
+        out = sched.schedule()
+        run_step(sched, out)
+        for s in out.scheduled:
+            order.append(s.seq.request.request_id)
+            sched.finish(s.seq)
+    assert order == ["urgent", "next", "next-later", "late-low"]
+
+
+def test_fcfs_admits_by_arrival_whatever_the_priority() -> None:
+    sched = make(max_num_seqs=1)
+    for s in (prio_seq(5, "a", 5, 0.0), prio_seq(5, "b", 0, 1.0)):
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq.request.request_id for s in out.scheduled] == ["a"]
+
+
+def test_priority_policy_preempts_the_least_important_even_if_older() -> None:
+    sched = make(num_blocks=4, block_size=4, max_num_batched_tokens=64, policy="priority")
+    old_low, new_high = prio_seq(7, "old-low", 9, 0.0), prio_seq(7, "new-high", 0, 1.0)
+    sched.add(old_low)
+    sched.add(new_high)
+    run_step(sched, sched.schedule())
+    run_step(sched, sched.schedule())
+    out = sched.schedule()  # both need a third block; only one fits
+    assert out.preempted == [old_low]
+    assert [s.seq for s in out.scheduled] == [new_high]

@@ -98,6 +98,15 @@ def test_vllm_sampling_fields_are_honoured(client: openai.OpenAI) -> None:
     assert reply.usage is not None and reply.usage.completion_tokens == 12
 
 
+def test_priority_extra_field_is_accepted_and_typed(server: RunningServer, client: openai.OpenAI) -> None:
+    reply = client.completions.create(model=MODEL, prompt="Hello", temperature=0, max_tokens=2,
+                                      extra_body={"priority": -3})
+    assert reply.usage is not None and reply.usage.completion_tokens == 2
+    bad = httpx.post(f"{server.base_url}/v1/completions",
+                     json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "priority": "high"})
+    assert bad.status_code == 400 and "priority" in bad.text
+
+
 def test_chat_logprobs_have_top_alternatives(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=5,
                                            logprobs=True, top_logprobs=2)
