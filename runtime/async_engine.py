@@ -276,7 +276,7 @@ class AsyncEngine:
         else:
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority)
-            except ValueError as e:
+            except Exception as e:  # noqa: BLE001 - any failure goes back to the caller, never hangs it
                 error = e
         self._resolve(cmd.admitted, None, error)
 

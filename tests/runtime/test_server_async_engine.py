@@ -34,7 +34,9 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
+        if prompt == "explode":
+            raise KeyError("not a ValueError")
         if not prompt:
             raise RequestError("the prompt is empty")
         self.requests[request_id] = SimpleNamespace(tokens=[], metrics=SimpleNamespace(first_scheduled_time=None))
@@ -131,3 +133,14 @@ async def test_crash_fails_pending_and_later_requests_instead_of_hanging() -> No
         await engine.add_request("b", "hi", SamplingParams())
     with pytest.raises(EngineDeadError):
         await engine.call(lambda e: None)
+
+
+async def test_an_unexpected_error_while_admitting_reaches_the_caller() -> None:
+    """Only ValueErrors used to be passed back: anything else left the caller waiting forever."""
+    engine = await _started(FakeEngine())
+    with pytest.raises(KeyError):
+        await asyncio.wait_for(engine.add_request("x", "explode", SamplingParams()), timeout=10)
+    stream = await engine.add_request("y", "hi", SamplingParams())  # the engine still serves
+    assert [out.outputs[0].text async for out in stream] == ["x", "xx", "xxx"]
+    assert engine.num_pending_requests == 0
+    await engine.stop()
