@@ -150,7 +150,7 @@ def paged_attention(
     decode, prefill = _attention_plan.get(
         (block_tables, seq_lens, query_start_loc, block_size, num_tokens),
         lambda: _plan_attention(block_tables, seq_lens, query_start_loc, block_size, num_tokens))
-    out = None
+    out = torch.empty_like(q)
     if decode is not None:
         # index_select on the block dim: one contiguous copy of each sequence's blocks
         shape = (decode.num_seqs, -1, num_kv_heads, head_dim)
@@ -165,10 +165,7 @@ def paged_attention(
         ).reshape(decode.num_seqs, num_heads, head_dim)
         if decode.rows is None:
             return o
-        out = torch.empty_like(q)
         out[decode.rows] = o
-    if out is None:
-        out = torch.empty_like(q)
     for seq in prefill:
         k = k_cache[seq.table].flatten(0, 1)[:seq.length]  # (length, Hk, D)
         v = v_cache[seq.table].flatten(0, 1)[:seq.length]

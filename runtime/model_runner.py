@@ -55,7 +55,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, device)
         self.model, self.model_config = load_model(config.model, str(self.device), self.tp)
         # CPU: weights packed once for oneDNN (decode steps are bound by reading them; cpu_linear.py)
-        self.packed_linears = pack_linears(self.model, config.scheduler.max_num_seqs)
+        pack_linears(self.model, config.scheduler.max_num_seqs)
         self.num_kv_heads = self.model.layers[0].num_kv_heads  # this rank's share
         self.ops = kernel_ops.select(self.device)
         self.rope = cos_sin_cache(self.model_config, config.model.max_model_len, self.device)
@@ -149,18 +149,8 @@ class ModelRunner:
                                   torch.empty(shape, dtype=self.dtype, pin_memory=pin))
                                  for _ in range(cfg.num_layers)]
         with torch.inference_mode():
-            if swap_out:
-                src = torch.tensor([d for d, _ in swap_out], device=self.device)
-                dst = torch.tensor([h for _, h in swap_out])
-                for device_kv, host_kv in zip(self.kv_caches, self._host_caches, strict=True):
-                    for cache, host in zip(device_kv, host_kv, strict=True):
-                        host.index_copy_(0, dst, cache.index_select(0, src).cpu())
-            if swap_in:
-                src = torch.tensor([h for h, _ in swap_in])
-                dst = torch.tensor([d for _, d in swap_in], device=self.device)
-                for device_kv, host_kv in zip(self.kv_caches, self._host_caches, strict=True):
-                    for cache, host in zip(device_kv, host_kv, strict=True):
-                        cache.index_copy_(0, dst, host.index_select(0, src).to(self.device))
+            _copy_blocks(swap_out, self.kv_caches, self._host_caches)
+            _copy_blocks(swap_in, self._host_caches, self.kv_caches)
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
         bs = self.block_size
@@ -225,3 +215,15 @@ class ModelRunner:
     def stop_workers(self) -> None:
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast(("stop", None))
+
+
+def _copy_blocks(pairs: list[tuple[int, int]], sources: list[tuple[torch.Tensor, torch.Tensor]],
+                 targets: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy blocks (source id, target id) from each layer's K and V caches to the matching targets."""
+    if not pairs:
+        return
+    src_ids = torch.tensor([s for s, _ in pairs], device=sources[0][0].device)
+    dst_ids = torch.tensor([t for _, t in pairs], device=targets[0][0].device)
+    for source_kv, target_kv in zip(sources, targets, strict=True):
+        for source, target in zip(source_kv, target_kv, strict=True):
+            target.index_copy_(0, dst_ids, source.index_select(0, src_ids).to(target.device))

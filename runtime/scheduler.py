@@ -126,7 +126,6 @@ class Scheduler:
             while not self.block_manager.can_append(seq, num_new):
                 victim = self._pick_victim(scheduled_ids)
                 self.preempt(victim, out)
-                out.preempted.append(victim)
                 out.scheduled = [s for s in out.scheduled if s.seq is not victim]
                 if victim is seq:
                     break
@@ -148,20 +147,14 @@ class Scheduler:
         bm = self.block_manager
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            num_new = seq.num_uncomputed_tokens
-            if num_new > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            if max(len(seq.swap_table), bm.num_blocks_for(seq.num_computed_tokens + num_new)) > bm.num_free_blocks:
+            num_new = self._fit(seq.num_uncomputed_tokens, budget)
+            if num_new == 0 or max(len(seq.swap_table), bm.num_blocks_for(seq.num_computed_tokens + num_new)) > bm.num_free_blocks:
                 break
             self.swapped.popleft()
             seq.block_table = bm.allocate(len(seq.swap_table))
             out.swap_in.extend(zip(seq.swap_table, seq.block_table, strict=True))
             self._drop_swap(seq)
-            bm.append(seq, num_new)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            self._start(seq, num_new, out)
             budget -= num_new
         return budget
 
@@ -170,22 +163,30 @@ class Scheduler:
             seq = self.waiting[0]
             matched, digests = self.block_manager.match_prefix(seq)
             cached = len(matched) * self.block_manager.block_size
-            num_new = seq.num_uncomputed_tokens - cached
-            if num_new > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            if not self.block_manager.can_take(matched, num_new):
+            num_new = self._fit(seq.num_uncomputed_tokens - cached, budget)
+            if num_new == 0 or not self.block_manager.can_take(matched, num_new):
                 break
             self.waiting.popleft()
             if matched:
                 self.block_manager.take(seq, matched, digests)
                 if seq.num_output_tokens == 0:
                     seq.num_cached_tokens = max(seq.num_cached_tokens, cached)
-            self.block_manager.append(seq, num_new)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            self._start(seq, num_new, out)
             budget -= num_new
+
+    def _fit(self, num_tokens: int, budget: int) -> int:
+        """How many of a sequence's `num_tokens` this step's budget takes: all, a chunk when chunked
+        prefill is on, else none."""
+        if num_tokens > budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(num_tokens, budget)
+
+    def _start(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        """Blocks for `num_new` more tokens, then run `seq` this step."""
+        self.block_manager.append(seq, num_new)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSeq(seq, num_new))
 
     def _pick_victim(self, scheduled_ids: set[int]) -> Sequence:
         """The running sequence that comes last in the policy's order (the newest under fcfs), not
@@ -214,6 +215,8 @@ class Scheduler:
         else:
             self.block_manager.free(seq)
             self._requeue(seq)
+        if out is not None:
+            out.preempted.append(seq)
         self.num_preemptions += 1
 
     def _requeue(self, seq: Sequence) -> None:
