@@ -184,8 +184,8 @@ class Bench:
         configs = [DecodeConfig()]
         if self.sweep:
             # the tile shapes that came closest in earlier sweeps
-            configs += [DecodeConfig(n, w, s) for n, w, s in ((64, 4, 3), (64, 8, 3), (128, 8, 2), (32, 4, 4),
-                                                              (128, 4, 3))]
+            configs += [DecodeConfig(n, w, s) for n, w, s in ((128, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2),
+                                                              (128, 4, 3), (32, 4, 4))]
         for block_size in (16, 8, 32, 64):
             batch = self.paged_batch([(ctx, 1)] * b, heads, kv_heads, d, block_size)
             best = math.inf
