@@ -1,9 +1,11 @@
 """The one op interface the model runner calls; it picks an implementation by device.
 
-CUDA tensors go to the Triton kernels (`triton_ops`) when they exist and import; everything else
-goes to the plain-torch reference (`reference`). `KVPILOT_KERNELS=triton` forces Triton (tests set
-it together with `TRITON_INTERPRET=1` to run the kernels on CPU); `KVPILOT_KERNELS=reference`
-forces the reference everywhere. Signatures and layouts are those of `reference.py`.
+CUDA tensors go to the Triton kernels (`triton_ops`) when they exist and import; CPU tensors go to
+`cpu_ops` (the reference plus a compiled C decode attention) when its C file builds on this
+machine, else to the plain-torch reference (`reference`). `KVPILOT_KERNELS=triton` forces Triton
+(tests set it together with `TRITON_INTERPRET=1` to run the kernels on CPU); `KVPILOT_KERNELS=cpu`
+forces `cpu_ops` (an error where it cannot build); `KVPILOT_KERNELS=reference` forces the
+reference everywhere. Signatures and layouts are those of `reference.py`.
 
 The index tensors of a step (positions, slot_mapping, block_tables, seq_lens, query_start_loc)
 are read-only once passed to an op: the reference plans its index work once per step and reuses
@@ -17,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from kvpilot.kernels import reference
+from kvpilot.kernels import cpu_ops, reference
 
 _OPS = ("paged_attention", "write_kv_cache", "rms_norm", "fused_add_rms_norm", "rotary_embedding")
 
@@ -33,10 +35,14 @@ def _triton() -> ModuleType | None:
 def select(device: torch.device | str) -> ModuleType:
     """The module whose functions implement the ops for tensors on `device`."""
     choice = os.environ.get("KVPILOT_KERNELS", "auto")
-    if choice not in ("auto", "triton", "reference"):
-        raise ValueError(f"KVPILOT_KERNELS must be auto, triton or reference, not {choice!r}")
+    if choice not in ("auto", "triton", "cpu", "reference"):
+        raise ValueError(f"KVPILOT_KERNELS must be auto, triton, cpu or reference, not {choice!r}")
     if choice == "reference":
         return reference
+    if choice == "cpu":
+        if not cpu_ops.available():
+            raise RuntimeError("KVPILOT_KERNELS=cpu but the CPU kernels did not build (see the log)")
+        return cpu_ops
     wants_triton = choice == "triton" or torch.device(device).type == "cuda"
     if wants_triton:
         impl = _triton()
@@ -44,4 +50,6 @@ def select(device: torch.device | str) -> ModuleType:
             return impl
         if choice == "triton":
             raise RuntimeError("KVPILOT_KERNELS=triton but kvpilot.kernels.triton_ops is unavailable")
+    if torch.device(device).type == "cpu" and cpu_ops.available():
+        return cpu_ops
     return reference

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 
-class _StepMemo:
+class StepMemo:
     """One derived value (index tensors, masks) remembered for the tensors it came from.
 
     The model calls each op once per layer with the same per-step tensors, so index work done once
@@ -48,9 +48,9 @@ class _StepMemo:
         return self._value
 
 
-_write_plan = _StepMemo()
-_attention_plan = _StepMemo()
-_rotary_plan = _StepMemo()
+_write_plan = StepMemo()
+_attention_plan = StepMemo()
+_rotary_plan = StepMemo()
 
 
 def write_kv_cache(
@@ -142,30 +142,52 @@ def paged_attention(
 
     Decode sequences (one new token) are batched into one padded call; sequences with several
     new tokens (prefill, chunked prefill) are computed one by one. The index work is planned once
-    per step and shared by every layer (`_StepMemo`).
+    per step and shared by every layer (`StepMemo`).
     """
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    gqa = num_heads != num_kv_heads
-    decode, prefill = _attention_plan.get(
-        (block_tables, seq_lens, query_start_loc, block_size, num_tokens),
-        lambda: _plan_attention(block_tables, seq_lens, query_start_loc, block_size, num_tokens))
+    decode, prefill = _plan_for(q, k_cache, block_tables, seq_lens, query_start_loc)
     out = torch.empty_like(q)
     if decode is not None:
+        num_seqs, num_heads, head_dim = decode.num_seqs, q.shape[1], q.shape[2]
+        num_kv_heads = k_cache.shape[2]
         # index_select on the block dim: one contiguous copy of each sequence's blocks
-        shape = (decode.num_seqs, -1, num_kv_heads, head_dim)
+        shape = (num_seqs, -1, num_kv_heads, head_dim)
         k = k_cache.index_select(0, decode.table).view(shape)[:, :decode.max_len]
         v = v_cache.index_select(0, decode.table).view(shape)[:, :decode.max_len]
         # a GQA group's query heads become the query rows of their KV head: no K/V expansion
         # (on 2 cores 170 us against 250 us with enable_gqa for 16 x 9/3 heads x 150 keys)
         o = F.scaled_dot_product_attention(
-            (q if decode.rows is None else q[decode.rows]).reshape(decode.num_seqs, num_kv_heads, -1, head_dim),
+            (q if decode.rows is None else q[decode.rows]).reshape(num_seqs, num_kv_heads, -1, head_dim),
             k.transpose(1, 2), v.transpose(1, 2),  # (B, Hk, L, D)
             attn_mask=decode.mask, scale=scale,
-        ).reshape(decode.num_seqs, num_heads, head_dim)
+        ).reshape(num_seqs, num_heads, head_dim)
         if decode.rows is None:
             return o
         out[decode.rows] = o
+    _attend_prefill(out, q, k_cache, v_cache, prefill, scale)
+    return out
+
+
+def prefill_attention_into(
+    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+) -> None:
+    """The rows of sequences with several new tokens only, written into out (the CPU ops compute
+    the decode rows their own way)."""
+    _, prefill = _plan_for(q, k_cache, block_tables, seq_lens, query_start_loc)
+    _attend_prefill(out, q, k_cache, v_cache, prefill, scale)
+
+
+def _plan_for(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+              query_start_loc: torch.Tensor) -> tuple[_DecodePlan | None, list[_PrefillPlan]]:
+    block_size, num_tokens = k_cache.shape[1], q.shape[0]
+    return _attention_plan.get(
+        (block_tables, seq_lens, query_start_loc, block_size, num_tokens),
+        lambda: _plan_attention(block_tables, seq_lens, query_start_loc, block_size, num_tokens))
+
+
+def _attend_prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    prefill: list[_PrefillPlan], scale: float) -> None:
+    gqa = q.shape[1] != k_cache.shape[2]
     for seq in prefill:
         k = k_cache[seq.table].flatten(0, 1)[:seq.length]  # (length, Hk, D)
         v = v_cache[seq.table].flatten(0, 1)[:seq.length]
@@ -175,7 +197,6 @@ def paged_attention(
             attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=gqa,
         )
         out[seq.start:seq.end] = o.transpose(0, 1)
-    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -56,6 +56,13 @@ def test_wheel_ships_the_model_presets(wheel: Path) -> None:
     assert "llama-3-8b.json" in shipped
 
 
+def test_wheel_ships_the_cpu_kernel_source(wheel: Path) -> None:
+    """kernels/cpu_ops.py compiles it on first use, so an installed package needs the C file."""
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {Path(n).name for n in names if n.startswith("kvpilot/kernels/csrc/")} == {
+        p.name for p in (ROOT / "kernels" / "csrc").glob("*.c")}
+
+
 def test_wheel_has_no_top_level_component_folders(wheel: Path) -> None:
     tops = {n.split("/", 1)[0] for n in zipfile.ZipFile(wheel).namelist()}
     assert not tops & {"runtime", "kernels", "operator", "kvpilot/__init__.py"}

@@ -1,0 +1,133 @@
+"""cpu_ops: the compiled CPU kernels equal the reference (and float64 dense attention), in the
+engine's strided layouts; wrong sizes raise instead of reading out of bounds; without a compiler
+the ops fall back to the reference."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from paged_batches import DECODE, MIXED, dense_float64, make_batch
+
+from kvpilot.kernels import cpu_ops, ops, reference
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler on this machine")
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("specs", [DECODE, MIXED, [(300, 1), (1, 1), (129, 1)]], ids=["decode", "mixed", "long"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (8, 1, 80)])
+def test_paged_attention_equals_reference_and_float64(
+    block_size: int, specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
+) -> None:
+    scale = head_dim ** -0.5
+    batch = make_batch(specs, num_heads, num_kv_heads, head_dim, block_size, torch.float32, "cpu")
+    torch.testing.assert_close(cpu_ops.paged_attention(*batch, scale), reference.paged_attention(*batch, scale),
+                               rtol=1e-5, atol=1e-5)
+    # every cache slot outside a context NaN: a read past a context would show
+    poisoned = make_batch(specs, num_heads, num_kv_heads, head_dim, block_size, torch.float32, "cpu",
+                          poison_unused=True)
+    torch.testing.assert_close(cpu_ops.paged_attention(*poisoned, scale).double(), dense_float64(poisoned, scale),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_reads_strided_q_and_head_major_caches() -> None:
+    """The engine passes q as a view into the fused qkv rows and the GPU-style cache layout works too."""
+    q, k_cache, v_cache, tables, seq_lens, qsl = make_batch(DECODE + MIXED, 8, 2, 64, 16, torch.float32, "cpu")
+    qkv = torch.randn(q.shape[0], (8 + 4) * 64)
+    qkv[:, :8 * 64] = q.flatten(1)
+    q_view = qkv[:, :8 * 64].view(q.shape)
+    head_major = [reference.kv_cache_empty(*k_cache.shape, head_major=True, dtype=torch.float32, device="cpu")
+                  for _ in range(2)]
+    head_major[0].copy_(k_cache)
+    head_major[1].copy_(v_cache)
+    got = cpu_ops.paged_attention(q_view, *head_major, tables, seq_lens, qsl, 0.125)
+    torch.testing.assert_close(got, reference.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_of_other_dtypes_is_the_reference() -> None:
+    batch = make_batch(DECODE, 4, 2, 64, 16, torch.bfloat16, "cpu")
+    torch.testing.assert_close(cpu_ops.paged_attention(*batch, 0.125), reference.paged_attention(*batch, 0.125))
+
+
+def test_norms_equal_the_reference_on_strided_rows() -> None:
+    base = torch.randn(70, 600)
+    x, weight = base[:, :576], torch.randn(576)  # row stride 600
+    torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5),
+                               rtol=2e-6, atol=2e-6)
+    h, residual = torch.randn(16, 576), torch.randn(16, 576)
+    h2, residual2 = h.clone(), residual.clone()
+    cpu_ops.fused_add_rms_norm(h, residual, weight, 1e-5)
+    reference.fused_add_rms_norm(h2, residual2, weight, 1e-5)
+    assert torch.equal(residual, residual2)  # one rounding per element either way
+    torch.testing.assert_close(h, h2, rtol=2e-6, atol=2e-6)
+
+
+def test_rotary_is_bit_identical_to_the_reference() -> None:
+    qkv = torch.randn(33, (6 + 2 * 2) * 64)
+    q, k = qkv[:, :384].view(33, 6, 64), qkv[:, 384:512].view(33, 2, 64)
+    positions = torch.randint(0, 100, (33,))
+    cos_sin = torch.randn(100, 64)
+    q2, k2 = q.clone(), k.clone()
+    cpu_ops.rotary_embedding(positions, q, k, cos_sin)
+    reference.rotary_embedding(positions, q2, k2, cos_sin)
+    assert torch.equal(q, q2) and torch.equal(k, k2)
+
+
+@pytest.mark.parametrize("head_major", [False, True])
+def test_write_kv_cache_equals_the_reference_and_skips_padding(head_major: bool) -> None:
+    caches = [reference.kv_cache_empty(6, 8, 2, 64, head_major=head_major, dtype=torch.float32, device="cpu")
+              for _ in range(4)]
+    kv = torch.randn(5, 2 * 2 * 64)
+    k, v = kv[:, :128].view(5, 2, 64), kv[:, 128:].view(5, 2, 64)
+    slots = torch.tensor([3, -1, 17, 47, 8])
+    cpu_ops.write_kv_cache(k, v, caches[0], caches[1], slots)
+    reference.write_kv_cache(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].count_nonzero() == 4 * 2 * 64  # the padding row wrote nothing
+
+
+def test_mismatched_sizes_raise_instead_of_reading_out_of_bounds() -> None:
+    with pytest.raises(ValueError, match="weight size vs hidden size"):
+        cpu_ops.rms_norm(torch.randn(4, 64), torch.randn(32), 1e-5)
+    with pytest.raises(ValueError, match="cos_sin_cache width"):
+        cpu_ops.rotary_embedding(torch.zeros(2, dtype=torch.long), torch.randn(2, 4, 64), torch.randn(2, 2, 64),
+                                 torch.randn(10, 32))
+    with pytest.raises(ValueError, match="slot_mapping vs k tokens"):
+        cpu_ops.write_kv_cache(torch.randn(3, 2, 64), torch.randn(3, 2, 64), torch.zeros(4, 8, 2, 64),
+                               torch.zeros(4, 8, 2, 64), torch.zeros(2, dtype=torch.long))
+
+
+def test_cpu_tensors_use_the_compiled_ops_when_they_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPILOT_KERNELS", raising=False)
+    assert ops.select("cpu") is cpu_ops
+    monkeypatch.setenv("KVPILOT_KERNELS", "cpu")
+    assert ops.select("cpu") is cpu_ops
+
+
+def test_without_a_compiler_cpu_falls_back_to_the_reference(tmp_path: pytest.TempPathFactory) -> None:
+    """A fresh process with no usable compiler and an empty build folder: the reference, one warning."""
+    code = ("import logging; logging.basicConfig(); from kvpilot.kernels import ops, reference; "
+            "assert ops.select('cpu') is reference; print('fell back')")
+    env = {"CC": "/nonexistent/cc", "KVPILOT_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin",
+           "KVPILOT_KERNELS": "auto", "PYTHONSAFEPATH": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "fell back" in proc.stdout
+    assert "CPU kernels unavailable" in proc.stderr and "/nonexistent/cc" in proc.stderr
+    forced = subprocess.run([sys.executable, "-c", "from kvpilot.kernels import ops; ops.select('cpu')"],
+                            env={**env, "KVPILOT_KERNELS": "cpu"}, capture_output=True, text=True, check=False)
+    assert forced.returncode != 0 and "KVPILOT_KERNELS=cpu" in forced.stderr
+
+
+def test_the_build_is_reused_across_processes(tmp_path: pytest.TempPathFactory) -> None:
+    code = "from kvpilot.kernels import cpu_ops; assert cpu_ops.available()"
+    env = {"KVPILOT_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONSAFEPATH": "1"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    (built,) = (tmp_path / "cpu-kernels").glob("*.so")  # type: ignore[operator]
+    first = built.stat().st_mtime_ns
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    assert built.stat().st_mtime_ns == first  # loaded, not rebuilt
