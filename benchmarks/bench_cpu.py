@@ -3,7 +3,9 @@
 16 prompts of 8-100 tokens, 64 new tokens each (greedy, EOS ignored, so every run produces the
 same 1,024 tokens); HF one prompt at a time and HF on one left-padded batch, same run, same
 weights; kvpilot and HF's padded batch alternate --repeats times and medians are reported.
-Usage: PYTHONSAFEPATH=1 .venv/bin/python benchmarks/bench_cpu.py [--repeats 3] [--skip-hf-sequential]
+With --steps, one more kvpilot run is stepped by hand and the time of its first step (the prefill
+of all 16 prompts) and the median of its decode steps are printed.
+Usage: PYTHONSAFEPATH=1 .venv/bin/python benchmarks/bench_cpu.py [--repeats 3] [--skip-hf-sequential] [--steps]
 """
 
 from __future__ import annotations
@@ -43,6 +45,19 @@ class Kvpilot:
         assert sum(len(o.outputs[0].token_ids) for o in outs) == NUM_PROMPTS * NEW_TOKENS
         return NUM_PROMPTS * NEW_TOKENS / elapsed
 
+    def step_times(self, prompts: list[list[int]]) -> list[float]:
+        """Seconds per engine step of one run: the prefill step first, then the decode steps."""
+        engine = self.llm.engine
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"steps-{i}", p, params)
+        times = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        return times
+
 
 class HF:
     def __init__(self) -> None:
@@ -70,6 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3, help="alternating kvpilot / HF-padded runs")
     parser.add_argument("--skip-hf-sequential", action="store_true")
+    parser.add_argument("--steps", action="store_true", help="also time kvpilot's engine steps")
     args = parser.parse_args()
     prompts = make_prompts(49152)
     kv, hf = Kvpilot(), HF()
@@ -96,6 +112,10 @@ def main() -> None:
           f"median {statistics.median(ratios):.2f}; of medians "
           f"{statistics.median(samples['kvpilot']) / statistics.median(samples['padded']):.2f}; "
           f"of bests {max(samples['kvpilot']) / max(samples['padded']):.2f}")
+    if args.steps:
+        times = kv.step_times(prompts)
+        print(f"kvpilot steps: prefill of {sum(map(len, prompts))} prompt tokens {times[0] * 1e3:.0f} ms, "
+              f"decode step median {statistics.median(times[1:]) * 1e3:.1f} ms ({len(times) - 1} steps)")
 
 
 if __name__ == "__main__":
