@@ -405,8 +405,9 @@ async def test_create_ready_update_scale_delete(cluster: Cluster) -> None:
                          what="3 replicas")
         assert cluster.get("deployments", "smol")["spec"]["template"] == template  # type: ignore[index]
 
-        reasons = {reason for _, reason, _ in cluster.events("smol")}
-        assert {"Created", "Updated", "Scaled"} <= reasons
+        # the event is posted after the Deployment patch it reports, so it can trail it
+        await eventually(lambda: {"Created", "Updated", "Scaled"} <= {reason for _, reason, _ in cluster.events("smol")},
+                         what="Created, Updated and Scaled events")
 
         await cluster.request("DELETE", f"{IS_PATH}/smol")
         await eventually(lambda: cluster.get("inferenceservices", "smol") is None, what="the IS to be gone")
