@@ -43,9 +43,7 @@ __all__ = ["available", "fused_add_rms_norm", "paged_attention", "rms_norm", "ro
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-# x86: gcc keeps to 256-bit vectors on AVX-512 parts unless asked
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11",
-          *(("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()))
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 _SIGNATURES = {
