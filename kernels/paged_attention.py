@@ -114,6 +114,24 @@ def _tile_ptrs(k_base, v_base, table, n, n_ok, d, stride_kb, stride_ks, stride_v
 
 
 @triton.jit
+def _attend_full_tiles(
+    q, k_base, v_base, table, lo, hi, m_i, l_i, acc, scale_log2, d, d_ok,
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Keys [lo, hi), a multiple of BLOCK_N, that every row sees: tiles with no masks at all."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + offs_n
+        k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, table, n, n, d, stride_kb, stride_ks, stride_vb,
+                                    stride_vs, BLOCK_SIZE, False)
+        m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n, n, m_i, l_i, acc, scale_log2, d_ok,
+                                     HEAD_DIM, D_PAD, False, PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_token(
     out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_base, v_base, table, tok, kv_len, split,
     split_size, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
@@ -133,12 +151,9 @@ def _decode_token(
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D_PAD], tl.float32)
-    for start in range(lo, full_hi, BLOCK_N):
-        n = start + offs_n
-        k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, table, n, n, d, stride_kb, stride_ks, stride_vb,
-                                    stride_vs, BLOCK_SIZE, False)
-        m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n, n, m_i, l_i, acc, scale_log2, d_ok,
-                                     HEAD_DIM, D_PAD, False, PRECISION)
+    m_i, l_i, acc = _attend_full_tiles(q, k_base, v_base, table, lo, full_hi, m_i, l_i, acc, scale_log2, d,
+                                       d_ok, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, D_PAD,
+                                       BLOCK_SIZE, BLOCK_N, PRECISION)
     for start in range(full_hi, hi, BLOCK_N):
         n = start + offs_n
         n_ok = n < hi
@@ -283,12 +298,9 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
-    for start in range(0, full_n, BLOCK_N):
-        n = start + offs_n
-        k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, table, n, n, d, stride_kb, stride_ks, stride_vb,
-                                    stride_vs, BLOCK_SIZE, False)
-        m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n, n, m_i, l_i, acc, scale_log2, d_ok,
-                                     HEAD_DIM, D_PAD, False, PRECISION)
+    m_i, l_i, acc = _attend_full_tiles(q, k_base, v_base, table, 0, full_n, m_i, l_i, acc, scale_log2, d,
+                                       d_ok, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, D_PAD,
+                                       BLOCK_SIZE, BLOCK_N, PRECISION)
     for start in range(full_n, hi_n, BLOCK_N):
         n = start + offs_n
         n_ok = n < hi_n
