@@ -24,46 +24,60 @@
 #pragma omp declare simd notinbranch
 float expf(float);
 
-/* One (sequence, KV head) item. Inlined with head_dim as a constant (64, 128), so a query row
- * and an output accumulator stay in vector registers across the context loop; each loop runs
- * per query head of the group and re-reads the item's K or V rows from L1/L2, not from memory. */
+/* One (sequence, KV head) item, inlined with head_dim as a constant (64, 128) so the head_dim
+ * loops unroll into vector registers. Both passes walk the context block by block and run the
+ * group's query heads over each block while its keys or values are in L1, so a long context is
+ * read from memory once per group, not once per query head. */
 static inline __attribute__((always_inline)) void attend_item(
-    const int head_dim, const int group, const int ctx, float scale, float *scores,
+    const int head_dim, const int group, const int ctx, float scale, float *scores, float *acc,
     const float *qg, float *og, const float *k_base, const float *v_base, const int32_t *table,
     int block_size, int64_t sq_h, int64_t so_h, int64_t sk_b, int64_t sk_s, int64_t sv_b, int64_t sv_s) {
-    for (int g = 0; g < group; g++) {
-        const float *qh = qg + g * sq_h;
-        float *s = scores + (int64_t)g * ctx;
-        float m = -INFINITY, sum = 0.0f;
-        for (int t0 = 0; t0 < ctx; t0 += block_size) {  /* s[t] = q_g . k_t * scale, block by block */
-            const float *kb = k_base + table[t0 / block_size] * sk_b;
-            const int n = ctx - t0 < block_size ? ctx - t0 : block_size;
+    for (int t0 = 0; t0 < ctx; t0 += block_size) {  /* scores[g * ctx + t] = q_g . k_t * scale */
+        const float *kb = k_base + table[t0 / block_size] * sk_b;
+        const int n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int g = 0; g < group; g++) {
+            const float *qh = qg + g * sq_h;
+            float *s = scores + (int64_t)g * ctx + t0;
             for (int j = 0; j < n; j++) {
                 const float *kt = kb + j * sk_s;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int d = 0; d < head_dim; d++) acc = fmaf(qh[d], kt[d], acc);
-                s[t0 + j] = acc * scale;
-                m = s[t0 + j] > m ? s[t0 + j] : m;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < head_dim; d++) dot = fmaf(qh[d], kt[d], dot);
+                s[j] = dot * scale;
             }
         }
+    }
+    for (int g = 0; g < group; g++) {  /* softmax numerators, in place; acc_g = 0 */
+        float *s = scores + (int64_t)g * ctx;
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int t = 0; t < ctx; t++) m = s[t] > m ? s[t] : m;
 #pragma omp simd
         for (int t = 0; t < ctx; t++) s[t] = expf(s[t] - m);
+        for (int d = 0; d < head_dim; d++) acc[g * head_dim + d] = 0.0f;
+    }
+    for (int t0 = 0; t0 < ctx; t0 += block_size) {  /* acc_g += p_g[t] v_t */
+        const float *vb = v_base + table[t0 / block_size] * sv_b;
+        const int n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int g = 0; g < group; g++) {
+            const float *p = scores + (int64_t)g * ctx + t0;
+            float o[head_dim];
+            for (int d = 0; d < head_dim; d++) o[d] = acc[g * head_dim + d];
+            for (int j = 0; j < n; j++) {
+                const float *vt = vb + j * sv_s;
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) o[d] = fmaf(p[j], vt[d], o[d]);
+            }
+            for (int d = 0; d < head_dim; d++) acc[g * head_dim + d] = o[d];
+        }
+    }
+    for (int g = 0; g < group; g++) {  /* out_g = acc_g / sum_t p_g[t] */
+        const float *s = scores + (int64_t)g * ctx;
+        float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int t = 0; t < ctx; t++) sum += s[t];
-        float o[head_dim];  /* out_g = sum_t p_g[t] v_t / sum */
-        for (int d = 0; d < head_dim; d++) o[d] = 0.0f;
-        for (int t0 = 0; t0 < ctx; t0 += block_size) {
-            const float *vb = v_base + table[t0 / block_size] * sv_b;
-            const int n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            for (int j = 0; j < n; j++) {
-                const float p = s[t0 + j], *vt = vb + j * sv_s;
-#pragma omp simd
-                for (int d = 0; d < head_dim; d++) o[d] = fmaf(p, vt[d], o[d]);
-            }
-        }
         const float inv = ctx > 0 ? 1.0f / sum : 0.0f;
-        for (int d = 0; d < head_dim; d++) og[g * so_h + d] = o[d] * inv;
+        for (int d = 0; d < head_dim; d++) og[g * so_h + d] = acc[g * head_dim + d] * inv;
     }
 }
 
@@ -81,7 +95,8 @@ int kvp_decode_attention(
         const int i = item / num_kv_heads, kvh = item % num_kv_heads;
         const int ctx = seq_lens[seq_ids[i]];
         const int32_t *table = block_tables + (int64_t)seq_ids[i] * s_bt;
-        float *scores = malloc(sizeof(float) * (size_t)group * (size_t)(ctx > 0 ? ctx : 1));
+        /* scores (group, ctx), then the output accumulators (group, head_dim) */
+        float *scores = malloc(sizeof(float) * (size_t)group * (size_t)(ctx + head_dim));
         if (scores == NULL) {
             failed = 1;
             continue;
@@ -89,7 +104,7 @@ int kvp_decode_attention(
         const float *qg = q + q_rows[i] * sq_t + (int64_t)kvh * group * sq_h;
         float *og = out + q_rows[i] * so_t + (int64_t)kvh * group * so_h;
         const float *k_base = k_cache + kvh * sk_h, *v_base = v_cache + kvh * sv_h;
-#define ATTEND(D) attend_item(D, group, ctx, scale, scores, qg, og, k_base, v_base, table, block_size, \
+#define ATTEND(D) attend_item(D, group, ctx, scale, scores, scores + (int64_t)group * ctx, qg, og, k_base, v_base, table, block_size, \
                               sq_h, so_h, sk_b, sk_s, sv_b, sv_s)
         switch (head_dim) {
             case 64: ATTEND(64); break;
