@@ -4,10 +4,11 @@
  * any work, and a decode step calls hundreds per layer; these kernels each replace a chain of
  * them. Strides are in elements; the last dimension has unit stride everywhere.
  *
- * kvp_decode_attention: paged attention of one query token per sequence. Reads each sequence's keys and values straight from the paged cache (no gathered copy) and
- * computes a plain softmax in float32: scores, their maximum, exp and sum, then the weighted sum
- * of values. Work items are (sequence, KV head) pairs; an item holds the GQA group's query heads,
- * so each cached key and value row is read once for the group.
+ * kvp_decode_attention: paged attention of one query token per sequence. Reads each sequence's
+ * keys and values straight from the paged cache (no gathered copy) and computes a plain softmax
+ * in float32: scores, their maximum, exp and sum, then the weighted sum of values. Work items
+ * are (sequence, KV head) pairs (OpenMP); an item holds the GQA group's query heads, so each
+ * cached key and value row is read from memory once for the group.
  *
  * Layouts (strides in elements; head_dim has unit stride everywhere):
  *   q, out        rows q_rows[i] of (num_tokens, num_heads, head_dim), strides (sq_t, sq_h), (so_t, so_h)
@@ -104,8 +105,8 @@ int kvp_decode_attention(
         const float *qg = q + q_rows[i] * sq_t + (int64_t)kvh * group * sq_h;
         float *og = out + q_rows[i] * so_t + (int64_t)kvh * group * so_h;
         const float *k_base = k_cache + kvh * sk_h, *v_base = v_cache + kvh * sv_h;
-#define ATTEND(D) attend_item(D, group, ctx, scale, scores, scores + (int64_t)group * ctx, qg, og, k_base, v_base, table, block_size, \
-                              sq_h, so_h, sk_b, sk_s, sv_b, sv_s)
+#define ATTEND(D) attend_item(D, group, ctx, scale, scores, scores + (int64_t)group * ctx, qg, og, \
+                              k_base, v_base, table, block_size, sq_h, so_h, sk_b, sk_s, sv_b, sv_s)
         switch (head_dim) {
             case 64: ATTEND(64); break;
             case 128: ATTEND(128); break;
