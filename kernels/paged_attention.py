@@ -114,20 +114,32 @@ def _tile_ptrs(k_base, v_base, table, n, n_ok, d, stride_kb, stride_ks, stride_v
 
 
 @triton.jit
-def _attend_full_tiles(
-    q, k_base, v_base, table, lo, hi, m_i, l_i, acc, scale_log2, d, d_ok,
+def _attend_keys(
+    q, k_base, v_base, table, lo, full_hi, hi, pos, scale_log2, d, d_ok,
     stride_kb, stride_ks, stride_vb, stride_vs,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Keys [lo, hi), a multiple of BLOCK_N, that every row sees: tiles with no masks at all."""
+    """Online softmax of q's ROWS rows over keys [lo, hi): [lo, full_hi) (whole tiles every row
+    sees entirely) with no masks at all, then [full_hi, hi) with row r seeing keys <= pos[r].
+    Returns the rows' (max, sum, unnormalised output)."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, full_hi, BLOCK_N):
         n = start + offs_n
         k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, table, n, n, d, stride_kb, stride_ks, stride_vb,
                                     stride_vs, BLOCK_SIZE, False)
         m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n, n, m_i, l_i, acc, scale_log2, d_ok,
                                      HEAD_DIM, D_PAD, False, PRECISION)
+    for start in range(full_hi, hi, BLOCK_N):
+        n = start + offs_n
+        n_ok = n < hi
+        k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, table, n, n_ok, d, stride_kb, stride_ks, stride_vb,
+                                    stride_vs, BLOCK_SIZE, True)
+        m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n_ok, n[None, :] <= pos[:, None], m_i, l_i, acc,
+                                     scale_log2, d_ok, HEAD_DIM, D_PAD, True, PRECISION)
     return m_i, l_i, acc
 
 
@@ -147,20 +159,10 @@ def _decode_token(
     full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     q = _load_tile(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
                    row_ok, d_ok, HEAD_DIM, D_PAD, True)  # (M, D_PAD)
-    offs_n = tl.arange(0, BLOCK_N)
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D_PAD], tl.float32)
-    m_i, l_i, acc = _attend_full_tiles(q, k_base, v_base, table, lo, full_hi, m_i, l_i, acc, scale_log2, d,
-                                       d_ok, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, D_PAD,
-                                       BLOCK_SIZE, BLOCK_N, PRECISION)
-    for start in range(full_hi, hi, BLOCK_N):
-        n = start + offs_n
-        n_ok = n < hi
-        k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, table, n, n_ok, d, stride_kb, stride_ks, stride_vb,
-                                    stride_vs, BLOCK_SIZE, True)
-        m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n_ok, n_ok[None, :], m_i, l_i, acc, scale_log2,
-                                     d_ok, HEAD_DIM, D_PAD, True, PRECISION)
+    pos = tl.zeros([M], tl.int32) + (hi - 1)  # every row (head) sees the whole slice
+    m_i, l_i, acc = _attend_keys(q, k_base, v_base, table, lo, full_hi, hi, pos, scale_log2, d, d_ok,
+                                 stride_kb, stride_ks, stride_vb, stride_vs, M, HEAD_DIM, D_PAD,
+                                 BLOCK_SIZE, BLOCK_N, PRECISION)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     if SPLIT:
@@ -292,22 +294,9 @@ def _prefill_kernel(
     hi_n = ctx - q_len + tl.minimum(q0 + BLOCK_Q, q_len)  # keys past the tile's last query: masked
     full_n = (first_pos + 1) // BLOCK_N * BLOCK_N  # tiles every row of this tile sees entirely
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    offs_n = tl.arange(0, BLOCK_N)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    k_base = k_ptr + kvh * stride_kh
-    v_base = v_ptr + kvh * stride_vh
-    m_i, l_i, acc = _attend_full_tiles(q, k_base, v_base, table, 0, full_n, m_i, l_i, acc, scale_log2, d,
-                                       d_ok, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, D_PAD,
-                                       BLOCK_SIZE, BLOCK_N, PRECISION)
-    for start in range(full_n, hi_n, BLOCK_N):
-        n = start + offs_n
-        n_ok = n < hi_n
-        k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, table, n, n_ok, d, stride_kb, stride_ks, stride_vb,
-                                    stride_vs, BLOCK_SIZE, True)
-        m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n_ok, n[None, :] <= pos[:, None], m_i, l_i, acc,
-                                     scale_log2, d_ok, HEAD_DIM, D_PAD, True, PRECISION)
+    _, l_i, acc = _attend_keys(q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, table, 0, full_n, hi_n,
+                               pos, scale_log2, d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
+                               BLOCK_M, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, PRECISION)
     o = acc / l_i[:, None]
     tl.store(out_ptr + (q_rows * stride_ot + heads * stride_oh)[:, None] + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
