@@ -2,8 +2,9 @@
 # Everything the repository checks and times on a GPU, in one call (the lent H200 via the device
 # tool, or any CUDA machine with torch, triton, transformers and pytest):
 #   COMMIT=<hash> bash benchmarks/run_on_gpu.sh [--sweep]
-# GPU tests (kernels at real sizes, the engine on CUDA against HF), then the kernel benchmark
-# (extra arguments go to it), then whole-engine throughput. Logs and results land in $OUT.
+# GPU tests (kernels at real sizes, the engine on CUDA against HF; TESTS narrows them), then the
+# kernel benchmark (extra arguments go to it), then whole-engine throughput. Logs and results land
+# in $OUT; TEST_LIMIT, KERNEL_LIMIT and ENGINE_LIMIT cap each step's seconds.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -14,7 +15,8 @@ mkdir -p "$shim/kvpilot"
 for c in runtime kernels operator; do ln -s "$PWD/$c" "$shim/kvpilot/$c"; done
 export PYTHONPATH="$shim"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
-timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider tests/kernels tests/runtime/test_gpu_engine.py \
+# shellcheck disable=SC2086 (TESTS is a list of paths)
+timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels tests/runtime/test_gpu_engine.py} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 timeout "${KERNEL_LIMIT:-300}" python3 benchmarks/bench_kernels.py --out "$OUT" --commit "${COMMIT:-unknown}" "$@" \
     > "$OUT/bench_kernels.log" 2>&1
