@@ -46,11 +46,11 @@ MAX_HEAD_DIM = 128
 
 
 # Defaults picked by `benchmarks/bench_kernels.py --sweep` on an H200 (see benchmarks/RESULTS.md):
-# decode B=64 x 2048 (single-token path, unmasked full tiles) ran 0.135 ms with these against
-# 0.138 ms with (128, 4, 2); prefill 8 x 1024 ran 0.285 ms against 0.323 ms with (128, 64, 8, 2).
+# decode B=64 x 2048 block 16 ran 0.1409 ms with these against 0.1483 ms with block_n 64 (e631fef);
+# prefill 8 x 1024 ran 0.285 ms against 0.323 ms with (128, 64, 8, 2).
 @dataclass(frozen=True)
 class DecodeConfig:
-    block_n: int = 64  # context tokens per K/V tile (several cache blocks when block_size < it)
+    block_n: int = 128  # context tokens per K/V tile (several cache blocks when block_size < it)
     num_warps: int = 4
     num_stages: int = 2
 
