@@ -5,7 +5,8 @@ medians through triton.testing.do_bench, which flushes L2 between runs) on rando
 tables in random order, peers measured in the same run:
 
   copy      large device-to-device copy: the bandwidth ceiling (bytes read + written)
-  decode    B=64, context 2048, 32/8 heads, head dim 128, bf16, block sizes 8/16/32/64
+  decode    B=64, context 2048, 32/8 heads, head dim 128, bf16, block sizes 8/16/32/64, with
+            max_query_len=1 as the engine passes it (one row also without it: the MULTI kernel)
             peers: gather blocks then SDPA; SDPA on contiguous (unpaged) KV
   split     B=4, context 32768 (split-KV), block 16
   prefill   8 x 1024-token prompts, causal; peer: SDPA flash backend on unpaged inputs
@@ -138,10 +139,12 @@ class Bench:
             for specs in ([(n, 1) for n in lens], [(n, 1) for n in lens[:8]] + [(1024, 1024), (4608, 512)]):
                 batch = self.paged_batch(specs, 32, 8, 128, block_size)
                 ref = reference.paged_attention(*batch, 128 ** -0.5)
-                worst = max(worst, rel(triton_ops.paged_attention(*batch, 128 ** -0.5), ref))
+                for hint in (None, max(q for _, q in specs)):
+                    worst = max(worst, rel(triton_ops.paged_attention(*batch, 128 ** -0.5, hint), ref))
         batch = self.paged_batch([(32768, 1)] * 4, 32, 8, 128, 16)
         ref = reference.paged_attention(*batch, 128 ** -0.5)
-        worst = max(worst, rel(triton_ops.paged_attention(*batch, 128 ** -0.5), ref))
+        for hint in (None, 1):
+            worst = max(worst, rel(triton_ops.paged_attention(*batch, 128 ** -0.5, hint), ref))
         x = torch.randn(4096, 4096, dtype=torch.bfloat16, device=self.device)
         res = torch.randn_like(x)
         w = torch.randn(4096, dtype=torch.bfloat16, device=self.device)
@@ -162,7 +165,8 @@ class Bench:
         if not (worst < 2e-2 and norm_err < 1e-2 and rope_err < 1e-2):
             sys.exit("correctness check failed: no timings taken")
         self.notes.append(f"GPU correctness vs reference before timing (relative L2, bf16): attention "
-                          f"{worst:.1e} (worst of 9 batches, every block size, decode/prefill/chunked/split), "
+                          f"{worst:.1e} (worst of 9 batches, every block size, decode/prefill/chunked/split, with and "
+                          f"without max_query_len), "
                           f"fused add+RMSNorm {norm_err:.1e}, rotary {rope_err:.1e}.")
 
     # ---------------------------------------------------------------- ceilings
@@ -184,14 +188,15 @@ class Bench:
         configs = [DecodeConfig()]
         if self.sweep:
             # the tile shapes that came closest in earlier sweeps
-            configs += [DecodeConfig(n, w, s) for n, w, s in ((128, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2),
-                                                              (128, 4, 3), (32, 4, 4))]
+            configs += [DecodeConfig(n, w, s) for n, w, s in ((64, 4, 2), (64, 2, 3), (64, 4, 3), (128, 4, 2),
+                                                              (128, 8, 2), (32, 4, 2))]
         for block_size in (16, 8, 32, 64):
             batch = self.paged_batch([(ctx, 1)] * b, heads, kv_heads, d, block_size)
             best = math.inf
             for cfg in configs if block_size == 16 else configs[:1] + self._top_decode:
                 for splits in ((None, 2) if self.sweep else (None,)):
-                    ms = self.time_ms(partial(paged_attention_with, *batch, scale, num_splits=splits, decode=cfg))
+                    ms = self.time_ms(partial(paged_attention_with, *batch, scale, max_query_len=1,
+                                              num_splits=splits, decode=cfg))
                     tag = "default" if cfg == DecodeConfig() and splits is None else f"{cfg} splits={splits}"
                     self.record("decode", f"triton block={block_size} {tag}", ms,
                                 TBps=kv_bytes / ms / 1e9, of_copy=kv_bytes / ms / 1e9 / copy_rate)
@@ -201,8 +206,11 @@ class Bench:
                 ranked = sorted(decode_rows, key=lambda r: float(r["ms"]))  # type: ignore[arg-type]
                 self._top_decode = [c for c in configs[1:] if any(str(c) in str(r["name"]) for r in ranked[:3])]
                 q, _, _, _, _, _ = batch
+                ms = self.time_ms(partial(paged_attention_with, *batch, scale))
+                self.record("decode", "triton block=16 without max_query_len (MULTI kernel)", ms,
+                            TBps=kv_bytes / ms / 1e9, of_copy=kv_bytes / ms / 1e9 / copy_rate)
                 token_major = self.paged_batch([(ctx, 1)] * b, heads, kv_heads, d, block_size, head_major=False)
-                ms = self.time_ms(partial(paged_attention_with, *token_major, scale))
+                ms = self.time_ms(partial(paged_attention_with, *token_major, scale, max_query_len=1))
                 self.record("decode", "triton block=16 token-major layout", ms,
                             TBps=kv_bytes / ms / 1e9, of_copy=kv_bytes / ms / 1e9 / copy_rate)
                 k, v = self.contiguous_kv(batch, ctx)
@@ -228,7 +236,8 @@ class Bench:
         if self.sweep:
             variants += [(s, c) for s in (8, 16, 32, 64) for c in [DecodeConfig(), *self._top_decode]]
         for splits, cfg in variants:
-            ms = self.time_ms(partial(paged_attention_with, *batch, d ** -0.5, num_splits=splits, decode=cfg))
+            ms = self.time_ms(partial(paged_attention_with, *batch, d ** -0.5, max_query_len=1,
+                                      num_splits=splits, decode=cfg))
             tag = "default" if splits is None and cfg == DecodeConfig() else f"{cfg} splits={splits}"
             self.record("split", f"triton B=4 ctx=32k {tag}", ms, TBps=kv_bytes / ms / 1e9,
                         of_copy=kv_bytes / ms / 1e9 / copy_rate)
@@ -357,6 +366,10 @@ class Bench:
             ok = tb >= 3.5 and of >= 0.85 if b == 16 else abs(ms("decode", name) / d16 - 1) <= 0.15
             lines.append(f"| decode B=64 ctx 2048 32/8 hd128, block {b} | {ms('decode', name):.4f} ms | "
                          f"{tb:.2f} TB/s ({of:.1%} of copy) | {target} | {verdict(ok)} |")
+        mk = "triton block=16 without max_query_len (MULTI kernel)"
+        lines.append(f"| decode block 16, without max_query_len (the kernel that loops over any q_len) | "
+                     f"{ms('decode', mk):.4f} ms | {get('decode', mk, 'TBps'):.2f} TB/s "
+                     f"({get('decode', mk, 'of_copy'):.1%} of copy) | — | |")
         tm = "triton block=16 token-major layout"
         lines.append(f"| decode block 16, token-major (contiguous) cache instead of head-major | "
                      f"{ms('decode', tm):.4f} ms | {get('decode', tm, 'TBps'):.2f} TB/s "

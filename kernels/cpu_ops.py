@@ -143,9 +143,10 @@ def _lib() -> ctypes.CDLL:
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """`reference.paged_attention`, with the decode rows computed in C."""
+    """`reference.paged_attention`, with the decode rows computed in C (`max_query_len`, the
+    Triton launcher's hint, is not needed: the row plan reads query_start_loc once per step)."""
     if not (_fp32_rows(q, k_cache, v_cache) and block_tables.dtype == seq_lens.dtype == torch.int32
             and block_tables.stride(-1) == 1 and seq_lens.is_contiguous()):
         return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)

@@ -17,9 +17,12 @@ Two kernels share the work, with no host synchronisation:
   (row m -> token m // GROUP, head m % GROUP), so K/V tiles are shared by the group here too.
   Sequence i owns the program ids starting at qsl[i] // BLOCK_Q + i (an upper bound on the tiles
   it needs, found by binary search), so the grid is known from shapes alone.
-When num_tokens == num_seqs the batch is all decode (or holds empty sequences): only the decode
-kernel runs, and it loops over every query token of its sequence, so any q_len stays correct.
-Otherwise the decode kernel skips sequences with q_len != 1 and the prefill kernel takes them.
+The decode kernel takes the sequences with q_len == 1 and the prefill kernel those with more.
+Without a sync the launcher cannot tell an all-decode batch from one with as many tokens as
+sequences where some are empty and others long; when the caller passes max_query_len (the engine
+does) it knows. When it does not and num_tokens == num_seqs, only the decode kernel runs, built
+with MULTI: a program loops over every query token of its sequence, so any q_len stays correct
+(the loop costs the single-token path a few percent even where it never runs).
 """
 
 from __future__ import annotations
@@ -45,14 +48,20 @@ MAX_GROUP = 16
 MAX_HEAD_DIM = 128
 
 
-# Defaults picked by `benchmarks/bench_kernels.py --sweep` on an H200 (see benchmarks/RESULTS.md):
-# decode B=64 x 2048 block 16 ran 0.1409 ms with these against 0.1483 ms with block_n 64 (e631fef);
-# prefill 8 x 1024 ran 0.285 ms against 0.323 ms with (128, 64, 8, 2).
+# Defaults picked on an H200 by `benchmarks/bench_kernels.py --sweep` and scratch sweeps of the same
+# case (see benchmarks/RESULTS.md). Decode B=64 x 2048, block 16, the single-token kernel (the
+# engine passes max_query_len): (64, 2, 2) 0.1356 ms, (64, 4, 2) 0.1366, (128, 4, 2) 0.157, SDPA on
+# contiguous KV 0.1347 in the same run. The MULTI kernel (no max_query_len) compiles differently:
+# (128, 4, 2) 0.139 ms but (64, 4, 2) 0.148, hence its own default. Prefill 8 x 1024 ran 0.285 ms
+# against 0.323 ms with (128, 64, 8, 2).
 @dataclass(frozen=True)
 class DecodeConfig:
-    block_n: int = 128  # context tokens per K/V tile (several cache blocks when block_size < it)
-    num_warps: int = 4
+    block_n: int = 64  # context tokens per K/V tile (several cache blocks when block_size < it)
+    num_warps: int = 2
     num_stages: int = 2
+
+
+MULTI_DECODE = DecodeConfig(block_n=128, num_warps=4, num_stages=2)
 
 
 @dataclass(frozen=True)
@@ -180,12 +189,12 @@ def _decode_token(
 def _decode_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    scale_log2, handle_multi, split_size,
+    scale_log2, split_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_pt, stride_ph, stride_ps,
     GROUP: tl.constexpr, M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MULTI: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     # KV head fastest: programs side by side share a sequence's cache rows (measured within noise
@@ -211,8 +220,8 @@ def _decode_kernel(
                       ctx, split, split_size, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_kb, stride_ks, stride_vb, stride_vs, stride_pt, stride_ph, stride_ps,
                       heads, row_ok, d, d_ok, M, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SPLIT, PRECISION)
-    elif handle_multi != 0:
-        # an all-decode-sized batch that holds empty sequences: this program takes every query
+    elif MULTI:
+        # an all-decode-sized batch that may hold empty sequences: this program takes every query
         # token of its sequence; token tok sits at context position ctx - (q_end - tok)
         for tok in range(q_start, q_end):
             _decode_token(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_base, v_base, table, tok,
@@ -353,17 +362,22 @@ def _check(
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole cached context."""
+    """Causal attention of each sequence's new tokens over its whole cached context.
+    `max_query_len` (the longest sequence's new tokens, known to the caller without a sync) lets
+    an all-decode batch run the decode kernel built for one token per sequence."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    return paged_attention_with(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    if max_query_len is not None and not 0 <= max_query_len <= q.shape[0]:
+        raise ValueError(f"max_query_len must be between 0 and num_tokens ({q.shape[0]}), got {max_query_len}")
+    return paged_attention_with(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                max_query_len=max_query_len)
 
 
 def paged_attention_with(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
-    num_splits: int | None = None, decode: DecodeConfig | None = None,
+    max_query_len: int | None = None, num_splits: int | None = None, decode: DecodeConfig | None = None,
     prefill: PrefillConfig | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` without the argument checks and with the tuning knobs exposed
@@ -381,11 +395,16 @@ def paged_attention_with(
     # float32 caches get float32 products: Triton's default for a float32 dot is tf32 (~3e-4)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     interp = _interpreting()
-    decode = decode or (DecodeConfig(block_n=16, num_stages=1) if interp else DecodeConfig())
     prefill = prefill or (PrefillConfig(block_m=32, block_n=16, num_stages=1) if interp
                           else PrefillConfig())
     cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
-    all_decode = num_tokens == num_seqs
+    # as many tokens as sequences: all decode, unless some sequence is empty and another has
+    # several tokens; without max_query_len to rule that out, the decode kernel covers any q_len
+    # (MULTI) and the prefill kernel does not run
+    all_decode = num_tokens == num_seqs if max_query_len is None else max_query_len <= 1
+    multi = all_decode and max_query_len is None
+    if decode is None:
+        decode = DecodeConfig(block_n=16, num_stages=1) if interp else MULTI_DECODE if multi else DecodeConfig()
     max_context = block_tables.shape[1] * block_size  # an upper bound known without a sync
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, q.device)
@@ -400,17 +419,17 @@ def paged_attention_with(
         part_out = part_lse = out  # unused
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         out, part_out, part_lse, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        scale_log2, int(all_decode), split_size,
+        scale_log2, split_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
         num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
         GROUP=group, M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=decode.block_n, SPLIT=num_splits > 1,
+        BLOCK_SIZE=block_size, BLOCK_N=decode.block_n, SPLIT=num_splits > 1, MULTI=multi,
         PRECISION=precision,
         num_warps=decode.num_warps, num_stages=decode.num_stages,
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, seq_lens, query_start_loc, int(all_decode), split_size,
+            out, part_out, part_lse, seq_lens, query_start_loc, int(multi), split_size,
             out.stride(0), out.stride(1), num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
             HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
             num_warps=4,

@@ -136,9 +136,11 @@ def _plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
+    `max_query_len` is the Triton launcher's hint (see `paged_attention.py`); the plan here reads
+    the lengths from the index tensors anyway, so it is not needed.
 
     Decode sequences (one new token) are batched into one padded call; sequences with several
     new tokens (prefill, chunked prefill) are computed one by one. The index work is planned once

@@ -178,6 +178,7 @@ class ModelRunner:
             block_tables=torch.tensor(inputs.block_tables, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(inputs.query_start_loc, dtype=torch.int32, device=dev),
+            max_query_len=max(b - a for a, b in zip(inputs.query_start_loc, inputs.query_start_loc[1:])),
         )
         input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)

@@ -107,6 +107,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (num_seqs, max_blocks) int32
     seq_lens: torch.Tensor  # (num_seqs,) int32
     query_start_loc: torch.Tensor  # (num_seqs + 1,) int32
+    max_query_len: int  # the most new tokens of any sequence (1: a decode-only step)
 
 
 class WeightSource(Protocol):
@@ -146,7 +147,7 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                  meta.query_start_loc, self.scale)  # (T, H, D)
+                                  meta.query_start_loc, self.scale, meta.max_query_len)  # (T, H, D)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, q_size)))
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:

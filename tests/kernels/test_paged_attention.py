@@ -24,8 +24,16 @@ def tolerance(dtype: torch.dtype, device: torch.device) -> float:
     return 3e-3 if dtype == torch.float16 else 1.5e-2
 
 
-def run_triton(batch: Batch, scale: float, **kwargs: object) -> torch.Tensor:
+def max_query_len(batch: Batch) -> int:
+    return int(batch[5].diff().max())
+
+
+def run_triton(batch: Batch, scale: float, hint: bool = False, **kwargs: object) -> torch.Tensor:
+    """The kernels into a NaN-poisoned output; hint passes max_query_len as the engine does
+    (without it an all-decode batch runs the decode kernel that loops over any q_len)."""
     poisoned = torch.full_like(batch[0], float("nan"))
+    if hint:
+        kwargs["max_query_len"] = max_query_len(batch)
     return paged_attention_with(*batch, scale, out=poisoned, **kwargs)  # type: ignore[arg-type]
 
 
@@ -37,13 +45,14 @@ def test_reference_equals_float64_dense(specs: list[tuple[int, int]], num_heads:
     assert rel_err(out, dense_float64(batch, 0.125)) < 1e-5
 
 
+@pytest.mark.parametrize("hint", [False, True], ids=["no-hint", "max_query_len"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
 @pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
 def test_every_block_size_matches_reference(
-    block_size: int, specs: list[tuple[int, int]], device: torch.device
+    block_size: int, specs: list[tuple[int, int]], hint: bool, device: torch.device
 ) -> None:
     batch = make_batch(specs, 8, 2, 64, block_size, torch.float32, device)
-    out = run_triton(batch, 0.125)
+    out = run_triton(batch, 0.125, hint=hint)
     assert rel_err(out, reference.paged_attention(*batch, 0.125)) < tolerance(torch.float32, device)
 
 
@@ -88,7 +97,7 @@ def test_gqa_ratios_match_reference(
     num_heads: int, num_kv_heads: int, specs: list[tuple[int, int]], device: torch.device
 ) -> None:
     batch = make_batch(specs, num_heads, num_kv_heads, 64, 16, torch.float32, device)
-    out = run_triton(batch, 0.125)
+    out = run_triton(batch, 0.125, hint=True)
     assert rel_err(out, reference.paged_attention(*batch, 0.125)) < tolerance(torch.float32, device)
 
 
@@ -100,21 +109,48 @@ def test_head_dims_match_reference(head_dim: int, device: torch.device) -> None:
     assert rel_err(out, reference.paged_attention(*batch, scale)) < tolerance(torch.float32, device)
 
 
+@pytest.mark.parametrize("hint", [False, True], ids=["no-hint", "max_query_len"])
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 @pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
-def test_split_kv_matches_reference(num_splits: int, specs: list[tuple[int, int]], device: torch.device) -> None:
+def test_split_kv_matches_reference(
+    num_splits: int, specs: list[tuple[int, int]], hint: bool, device: torch.device
+) -> None:
     batch = make_batch(specs, 6, 2, 80, 8, torch.float32, device)
-    out = run_triton(batch, 0.1, num_splits=num_splits)
+    out = run_triton(batch, 0.1, hint=hint, num_splits=num_splits)
     assert rel_err(out, reference.paged_attention(*batch, 0.1)) < tolerance(torch.float32, device)
 
 
+@pytest.mark.parametrize("hint", [False, True], ids=["no-hint", "max_query_len"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_all_decode_shape_with_empty_sequence_handles_multi_token_rows(num_splits: int, device: torch.device) -> None:
-    # as many tokens as sequences, yet one sequence has none and another has two
+def test_all_decode_shape_with_empty_sequence_handles_multi_token_rows(
+    num_splits: int, hint: bool, device: torch.device
+) -> None:
+    # as many tokens as sequences, yet one sequence has none and another has two: without the
+    # hint the decode kernel loops over the two tokens; with max_query_len=2 the prefill kernel runs
     specs = [(10, 2), (7, 0), (9, 1)]
     batch = make_batch(specs, 4, 2, 64, 8, torch.float32, device)
-    out = run_triton(batch, 0.125, num_splits=num_splits)
+    out = run_triton(batch, 0.125, hint=hint, num_splits=num_splits)
     assert rel_err(out, reference.paged_attention(*batch, 0.125)) < tolerance(torch.float32, device)
+
+
+def test_decode_only_kernel_with_padding_sequences(device: torch.device) -> None:
+    """max_query_len=1 with empty sequences in the batch (padding): their programs do nothing and
+    every real row is right; only the padding token's row is left unwritten."""
+    specs = [(10, 1), (7, 0), (9, 1), (5, 0)]
+    q, *rest = make_batch(specs, 4, 2, 64, 8, torch.float32, device)
+    padded_q = torch.cat([q, torch.randn(2, *q.shape[1:], device=device)])  # 4 tokens for 4 sequences
+    out = torch.full_like(padded_q, float("nan"))
+    paged_attention_with(padded_q, *rest, 0.125, max_query_len=1, out=out)  # type: ignore[arg-type]
+    expected = reference.paged_attention(q, *rest, 0.125)  # type: ignore[arg-type]
+    assert rel_err(out[:2], expected) < tolerance(torch.float32, device)
+    assert out[2:].isnan().all()  # no program owns the padding rows
+
+
+@pytest.mark.parametrize("bad", [-1, 100])
+def test_launcher_rejects_impossible_max_query_len(bad: int) -> None:
+    batch = make_batch(DECODE, 4, 2, 64, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="max_query_len"):
+        paged_attention(*batch, 0.1, max_query_len=bad)
 
 
 @pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
@@ -184,7 +220,8 @@ def test_gpu_decode_and_prefill_bf16_real_sizes(block_size: int) -> None:
         scale = 1 / math.sqrt(128)
         ref = reference.paged_attention(*batch, scale)
         for splits in (None, 1, 8):
-            assert rel_err(run_triton(batch, scale, num_splits=splits), ref) < 1.5e-2
+            for hint in (False, True):
+                assert rel_err(run_triton(batch, scale, hint=hint, num_splits=splits), ref) < 1.5e-2
 
 
 @pytest.mark.gpu
@@ -196,7 +233,7 @@ def test_gpu_head_dims_and_groups_bf16(head_dim: int, num_heads: int, num_kv_hea
                        poison_unused=True)
     scale = head_dim ** -0.5
     assert rel_err(run_triton(batch, scale), dense_float64(batch, scale)) < 1.5e-2
-    assert rel_err(run_triton(batch, scale, num_splits=4), dense_float64(batch, scale)) < 1.5e-2
+    assert rel_err(run_triton(batch, scale, hint=True, num_splits=4), dense_float64(batch, scale)) < 1.5e-2
 
 
 @pytest.mark.gpu
@@ -204,4 +241,4 @@ def test_gpu_head_dims_and_groups_bf16(head_dim: int, num_heads: int, num_kv_hea
 def test_gpu_long_context_split_kv_bf16() -> None:
     batch = make_batch([(32768, 1)] * 2 + [(20000, 1)], 32, 8, 128, 16, torch.bfloat16, "cuda")
     scale = 128 ** -0.5
-    assert rel_err(run_triton(batch, scale), reference.paged_attention(*batch, scale)) < 1.5e-2
+    assert rel_err(run_triton(batch, scale, hint=True), reference.paged_attention(*batch, scale)) < 1.5e-2
