@@ -22,7 +22,8 @@ Without a sync the launcher cannot tell an all-decode batch from one with as man
 sequences where some are empty and others long; when the caller passes max_query_len (the engine
 does) it knows. When it does not and num_tokens == num_seqs, only the decode kernel runs, built
 with MULTI: a program loops over every query token of its sequence, so any q_len stays correct
-(the loop costs the single-token path a few percent even where it never runs).
+(the loop changes the code Triton generates for the single-token path too, so each variant has
+its own default tiles: see DecodeConfig).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from kvpilot.kernels import ops as kernel_ops
 from kvpilot.kernels.reference import kv_cache_empty
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.cpu_linear import pack_linears
+from kvpilot.runtime.cuda_graphs import DecodeGraphs, model_forward
 from kvpilot.runtime.loader import load_model, resolve_dtype
 from kvpilot.runtime.models.llama import AttentionMetadata, cos_sin_cache
 from kvpilot.runtime.parallel import TPInfo
@@ -60,9 +61,24 @@ class ModelRunner:
         self.ops = kernel_ops.select(self.device)
         self.rope = cos_sin_cache(self.model_config, config.model.max_model_len, self.device)
         self.block_size = config.cache.block_size
+        self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self.num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self._host_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # swap space, made on first use
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs for decode steps (cuda_graphs.py), unless --enforce-eager. Under tensor
+        parallelism the steps stay eager: graphs over NCCL collectives have not been run here."""
+        self.graphs = None
+        if self.device.type != "cuda" or self.config.device.enforce_eager or self.tp.size > 1:
+            return
+        max_blocks = -(-self.config.model.max_model_len // self.block_size)
+        graphs = DecodeGraphs(model_forward(self.model, self.kv_caches, self.rope, self.ops),
+                              self.config.scheduler.max_num_seqs, max_blocks, self.device)
+        with torch.inference_mode():
+            graphs.capture_all()
+        self.graphs = graphs
 
     @property
     def num_swap_blocks(self) -> int:
@@ -129,12 +145,14 @@ class ModelRunner:
             self.tp.broadcast(("resize", block_size))
         total_bytes = self.num_blocks * self.bytes_per_block
         self.kv_caches = []
+        self.graphs = None  # they point into the old cache
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.block_size = block_size
         self.num_blocks = total_bytes // self.bytes_per_block
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self._host_caches = None
+        self._capture_graphs()
 
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy (device, host) block pairs out to the swap space, then (host, device) pairs back in."""
@@ -173,16 +191,22 @@ class ModelRunner:
     def _run(self, inputs: StepInputs) -> torch.Tensor | None:
         """Forward pass on this rank; logits (num_logits_rows, vocab) or None when nothing samples."""
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(inputs.slot_mapping, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(inputs.block_tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(inputs.query_start_loc, dtype=torch.int32, device=dev),
-            max_query_len=max(b - a for a, b in zip(inputs.query_start_loc, inputs.query_start_loc[1:])),
-        )
-        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.rope, self.ops)
+        max_query_len = max(b - a for a, b in zip(inputs.query_start_loc, inputs.query_start_loc[1:]))
+        hidden = None
+        if self.graphs is not None and max_query_len == 1:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,
+                                     inputs.block_tables, inputs.seq_lens)
+        if hidden is None:
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor(inputs.slot_mapping, dtype=torch.long, device=dev),
+                block_tables=torch.tensor(inputs.block_tables, dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
+                query_start_loc=torch.tensor(inputs.query_start_loc, dtype=torch.int32, device=dev),
+                max_query_len=max_query_len,
+            )
+            input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
+            positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.rope, self.ops)
         if not inputs.logits_rows:
             return None
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev)

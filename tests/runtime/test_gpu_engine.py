@@ -1,7 +1,8 @@
-"""The engine on CUDA, through the Triton kernels: greedy output equals HF transformers (CPU, float32)
-token for token on tiny random models, at every block size, with chunked prefill and a live
-block-size change; a bf16 engine finishes a mixed batch and returns every block. Skipped without CUDA
-(CI has none: these run on the lent GPU, `benchmarks/run_on_gpu.sh`)."""
+"""The engine on CUDA, through the Triton kernels and decode CUDA graphs: greedy output equals HF
+transformers (CPU, float32) token for token on tiny random models, at every block size, with
+chunked prefill, padded graph batches and a live block-size change (graphs recaptured); eager mode
+gives the same tokens; a bf16 engine finishes a mixed batch and returns every block. Skipped
+without CUDA (CI has none: these run on the lent GPU, `benchmarks/run_on_gpu.sh`)."""
 
 from __future__ import annotations
 
@@ -42,12 +43,36 @@ def test_float32_on_cuda_matches_hf(kind: str, block_size: int, models) -> None:
     llm = LLM(folder, device="cuda", dtype="float32", max_model_len=256, block_size=block_size,
               enable_chunked_prefill=True, max_num_batched_tokens=48, max_num_seqs=4,
               gpu_memory_utilization=0.2)
-    assert llm.engine.runner.ops.__name__.endswith("triton_ops")
+    runner = llm.engine.runner
+    assert runner.ops.__name__.endswith("triton_ops")
+    assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4]
     batch = prompts(block_size, [1, 9, 70, 150, 33])
-    outs = llm.generate([{"prompt_token_ids": p} for p in batch], SamplingParams(temperature=0, max_tokens=24))
-    for prompt, out in zip(batch, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
+    # different lengths: the decode batch shrinks 4 -> 3 (a padded graph) -> 2 -> 1 as requests end
+    lengths = [24, 17, 24, 9, 13]
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch],
+                        [SamplingParams(temperature=0, max_tokens=n) for n in lengths])
+    for prompt, out, n in zip(batch, outs, lengths, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, n)
+    assert runner.graphs.replays > 0
     assert_all_blocks_free(llm)
+
+
+def test_eager_mode_gives_the_graphs_tokens(models) -> None:
+    folder, _ = models["qwen2"]
+    batch = prompts(11, [3, 50, 120, 7, 64, 30])
+    params = SamplingParams(temperature=0, max_tokens=20)
+    tokens = {}
+    for eager in (False, True):
+        llm = LLM(folder, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=6,
+                  enforce_eager=eager, gpu_memory_utilization=0.2)
+        assert (llm.engine.runner.graphs is None) == eager
+        tokens[eager] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)]
+        if not eager:
+            assert llm.engine.runner.graphs.sizes == [1, 2, 4, 6]
+            assert llm.engine.runner.graphs.replays > 0
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens[False] == tokens[True]
 
 
 def test_live_block_size_change_on_cuda_keeps_output(models) -> None:
@@ -57,8 +82,13 @@ def test_live_block_size_change_on_cuda_keeps_output(models) -> None:
     params = SamplingParams(temperature=0, max_tokens=16)
     expected = [hf_greedy(hf, p, 16) for p in batch]
     assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)] == expected
+    graphs_before = llm.engine.runner.graphs
     llm.engine.update_config({"block_size": 32})
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs is not graphs_before  # recaptured over the new cache
+    assert graphs.block_tables.shape[1] == 256 // 32
     assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)] == expected
+    assert graphs.replays > 0
     assert_all_blocks_free(llm)
 
 

@@ -1,0 +1,122 @@
+"""CUDA graphs for decode steps.
+
+On a GPU a decode step is bound by the host: every layer launches its norms, projections, rotary,
+cache write and attention one by one from Python, and at small batches that takes longer than the
+memory traffic it drives. A graph records those launches once per batch size and replays them
+with one call. Decode steps have one token per sequence, so a step of n sequences is fully
+described by n: it runs the graph of the smallest captured size >= n, on static input buffers
+that `run` fills each step. Rows past n are padding: token 0 at position 0, a cache slot of -1
+(the cache write skips it) and a context of one token (it reads some block's first slot; its
+output row is never used), so padding never touches a real sequence's cache.
+
+Graphs are captured when the runner starts (after the KV cache is allocated, largest first, into
+one shared memory pool) and again after a live block-size change, which replaces the cache
+tensors the graphs point to. Prefill and mixed steps, batches larger than the largest size, and
+`--enforce-eager` run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from kvpilot.runtime.models.llama import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_SIZE = 512
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, then every multiple of 8 up to max_num_seqs (capped at
+    512), and max_num_seqs itself, so any decode batch pads by fewer than 8 rows."""
+    top = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = {s for s in (1, 2, 4) if s <= top} | set(range(8, top + 1, 8)) | {top}
+    return sorted(sizes)
+
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+class DecodeGraphs:
+    """Captured decode steps over static inputs. `forward(input_ids, positions, meta)` is the
+    model's forward pass with the runner's caches, rotary table and ops bound in."""
+
+    def __init__(self, forward: Forward, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.forward = forward
+        self.sizes = capture_sizes(max_num_seqs)
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token each
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def capture_all(self) -> None:
+        start = time.perf_counter()
+        pool = None
+        for size in reversed(self.sizes):  # largest first: the smaller ones fit in its memory
+            pool = self._capture(size, pool)
+        logger.info("captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s",
+                    len(self.sizes), self.max_batch, time.perf_counter() - start)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
+                                 seq_lens=self.seq_lens[:size], query_start_loc=self.query_start_loc[:size + 1],
+                                 max_query_len=1)
+
+    def _capture(self, size: int, pool: tuple[int, int] | None) -> tuple[int, int]:
+        args = (self.input_ids[:size], self.positions[:size], self._meta(size))
+        # run once outside the graph first: Triton compiles and cuBLAS picks its kernels here, and
+        # neither may happen while capturing (the static inputs are all padding: nothing is written)
+        side = torch.cuda.Stream(self.input_ids.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.forward(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = self.forward(*args)
+        self._graphs[size] = (graph, out)
+        return graph.pool()
+
+    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+            block_tables: list[list[int]], seq_lens: list[int]) -> torch.Tensor | None:
+        """Replay the decode step of len(input_ids) sequences (one token each); the hidden states
+        (n, hidden), valid until the next replay. None when the batch is larger than any graph."""
+        n = len(input_ids)
+        size = next((s for s in self.sizes if s >= n), None)
+        if size is None:
+            return None
+        pad = size - n
+        # padding goes in with the real rows: stale slots in the static buffers would write the
+        # padding's K/V into some sequence's cache
+        self.input_ids[:size].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
+        self.positions[:size].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
+        self.slot_mapping[:size].copy_(torch.tensor(slot_mapping + [-1] * pad), non_blocking=True)
+        self.seq_lens[:size].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+        width = len(block_tables[0])
+        # columns past a row's own blocks are never read (the kernels stop at its context)
+        self.block_tables[:n, :width].copy_(torch.tensor(block_tables, dtype=torch.int32), non_blocking=True)
+        graph, out = self._graphs[size]
+        graph.replay()
+        self.replays += 1
+        return out[:n]
+
+
+def model_forward(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                  rope: torch.Tensor, ops: ModuleType) -> Forward:
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return model(input_ids, positions, kv_caches, meta, rope, ops)
+    return forward
