@@ -3,6 +3,7 @@ batch sizes, the median decode step against its bandwidth floor (weights + the K
 at the copy rate measured in the same run). Correctness on CUDA is tests/runtime/test_gpu_engine.py.
 
 Usage (GPU): PYTHONSAFEPATH=1 python3 benchmarks/bench_engine_gpu.py [--batches 1 32 128 256] [--out FILE]
+                 [--enforce-eager]  (no CUDA graphs for decode steps)
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ def copy_rate() -> float:
     return 4 * (1 << 29) / (ms * 1e-3)
 
 
-def throughput(batches: list[int], rate: float) -> list[dict[str, float]]:
+def throughput(batches: list[int], rate: float, enforce_eager: bool = False) -> list[dict[str, float]]:
+    started = time.perf_counter()
     llm = LLM("llama-3-8b", load_format="dummy", device="cuda", max_model_len=PROMPT_LEN + NEW_TOKENS + 16,
-              max_num_seqs=max(batches), max_num_batched_tokens=8192, gpu_memory_utilization=0.9)
+              max_num_seqs=max(batches), max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
+              enforce_eager=enforce_eager)
+    print(json.dumps({"engine_start_s": time.perf_counter() - started, "enforce_eager": enforce_eager}), flush=True)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [rng.randrange(1000, 100000) for _ in range(PROMPT_LEN)]}], SamplingParams(max_tokens=4))
@@ -69,11 +73,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128, 256])
     parser.add_argument("--out", type=Path, help="also write the rows here as JSON")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     args = parser.parse_args()
     rate = copy_rate()
-    head = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_TBps": rate / 1e12}
+    head = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_TBps": rate / 1e12,
+            "cuda_graphs": not args.enforce_eager}
     print(json.dumps(head), flush=True)
-    rows = throughput(args.batches, rate)
+    rows = throughput(args.batches, rate, args.enforce_eager)
     for row in rows:
         print(json.dumps(row), flush=True)
     if args.out:
