@@ -94,10 +94,12 @@ class DecodeGraphs:
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
             block_tables: list[list[int]], seq_lens: list[int]) -> torch.Tensor | None:
         """Replay the decode step of len(input_ids) sequences (one token each); the hidden states
-        (n, hidden), valid until the next replay. None when the batch is larger than any graph."""
+        (n, hidden), valid until the next replay. None when the batch is larger than any graph (or
+        its block tables wider than max_model_len allows): the caller runs it eagerly."""
         n = len(input_ids)
         size = next((s for s in self.sizes if s >= n), None)
-        if size is None:
+        width = len(block_tables[0])
+        if size is None or width > self.block_tables.shape[1]:
             return None
         pad = size - n
         # padding goes in with the real rows: stale slots in the static buffers would write the
@@ -106,7 +108,6 @@ class DecodeGraphs:
         self.positions[:size].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
         self.slot_mapping[:size].copy_(torch.tensor(slot_mapping + [-1] * pad), non_blocking=True)
         self.seq_lens[:size].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
-        width = len(block_tables[0])
         # columns past a row's own blocks are never read (the kernels stop at its context)
         self.block_tables[:n, :width].copy_(torch.tensor(block_tables, dtype=torch.int32), non_blocking=True)
         graph, out = self._graphs[size]
