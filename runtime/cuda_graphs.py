@@ -13,22 +13,36 @@ Graphs are captured when the runner starts (after the KV cache is allocated, lar
 one shared memory pool) and again after a live block-size change, which replaces the cache
 tensors the graphs point to. Prefill and mixed steps, batches larger than the largest size, and
 `--enforce-eager` run eagerly.
+
+Off unless KVPILOT_CUDA_GRAPHS=1: this code was written in a session whose GPU time ran out before
+it could run once (CI has no GPU). tests/runtime/test_gpu_engine.py turns it on and checks it
+against HF and against eager mode; once those pass on a GPU, graphs become the default and
+`--enforce-eager` the only way off.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvpilot.runtime.models.llama import AttentionMetadata
 
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
 logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512
+
+
+def graphs_enabled() -> bool:
+    return os.environ.get("KVPILOT_CUDA_GRAPHS", "0") == "1"
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -65,9 +79,9 @@ class DecodeGraphs:
 
     def capture_all(self) -> None:
         start = time.perf_counter()
-        pool = None
+        pool = torch.cuda.graph_pool_handle()  # one pool: the graphs replay one at a time
         for size in reversed(self.sizes):  # largest first: the smaller ones fit in its memory
-            pool = self._capture(size, pool)
+            self._capture(size, pool)
         logger.info("captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s",
                     len(self.sizes), self.max_batch, time.perf_counter() - start)
 
@@ -76,7 +90,7 @@ class DecodeGraphs:
                                  seq_lens=self.seq_lens[:size], query_start_loc=self.query_start_loc[:size + 1],
                                  max_query_len=1)
 
-    def _capture(self, size: int, pool: tuple[int, int] | None) -> tuple[int, int]:
+    def _capture(self, size: int, pool: _POOL_HANDLE) -> None:
         args = (self.input_ids[:size], self.positions[:size], self._meta(size))
         # run once outside the graph first: Triton compiles and cuBLAS picks its kernels here, and
         # neither may happen while capturing (the static inputs are all padding: nothing is written)
@@ -89,7 +103,6 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=pool):
             out = self.forward(*args)
         self._graphs[size] = (graph, out)
-        return graph.pool()
 
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
             block_tables: list[list[int]], seq_lens: list[int]) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ Under tensor parallelism every rank has a runner over its slice of the model and
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from kvpilot.kernels import ops as kernel_ops
 from kvpilot.kernels.reference import kv_cache_empty
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.cpu_linear import pack_linears
-from kvpilot.runtime.cuda_graphs import DecodeGraphs, model_forward
+from kvpilot.runtime.cuda_graphs import DecodeGraphs, graphs_enabled, model_forward
 from kvpilot.runtime.loader import load_model, resolve_dtype
 from kvpilot.runtime.models.llama import AttentionMetadata, cos_sin_cache
 from kvpilot.runtime.parallel import TPInfo
@@ -68,10 +69,12 @@ class ModelRunner:
         self._capture_graphs()
 
     def _capture_graphs(self) -> None:
-        """CUDA graphs for decode steps (cuda_graphs.py), unless --enforce-eager. Under tensor
-        parallelism the steps stay eager: graphs over NCCL collectives have not been run here."""
+        """CUDA graphs for decode steps (cuda_graphs.py) when KVPILOT_CUDA_GRAPHS=1, unless
+        --enforce-eager. Under tensor parallelism the steps stay eager: graphs over NCCL
+        collectives have not been run here."""
         self.graphs = None
-        if self.device.type != "cuda" or self.config.device.enforce_eager or self.tp.size > 1:
+        if (self.device.type != "cuda" or self.config.device.enforce_eager or self.tp.size > 1
+                or not graphs_enabled()):
             return
         max_blocks = -(-self.config.model.max_model_len // self.block_size)
         graphs = DecodeGraphs(model_forward(self.model, self.kv_caches, self.rope, self.ops),
@@ -191,7 +194,7 @@ class ModelRunner:
     def _run(self, inputs: StepInputs) -> torch.Tensor | None:
         """Forward pass on this rank; logits (num_logits_rows, vocab) or None when nothing samples."""
         dev = self.device
-        max_query_len = max(b - a for a, b in zip(inputs.query_start_loc, inputs.query_start_loc[1:]))
+        max_query_len = max(b - a for a, b in itertools.pairwise(inputs.query_start_loc))
         hidden = None
         if self.graphs is not None and max_query_len == 1:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,

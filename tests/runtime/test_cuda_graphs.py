@@ -29,3 +29,12 @@ def test_cpu_engine_has_no_graphs(tiny_models) -> None:
     folder, _ = tiny_models["llama"]
     llm = LLM(folder, device="cpu", max_model_len=64)
     assert llm.engine.runner.graphs is None
+
+
+def test_graphs_are_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpilot.runtime.cuda_graphs import graphs_enabled
+
+    monkeypatch.delenv("KVPILOT_CUDA_GRAPHS", raising=False)
+    assert not graphs_enabled()
+    monkeypatch.setenv("KVPILOT_CUDA_GRAPHS", "1")
+    assert graphs_enabled()
