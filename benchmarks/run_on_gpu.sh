@@ -3,8 +3,9 @@
 # tool, or any CUDA machine with torch, triton, transformers and pytest):
 #   COMMIT=<hash> bash benchmarks/run_on_gpu.sh [--sweep]
 # GPU tests (kernels at real sizes, the engine on CUDA against HF; TESTS narrows them), then the
-# kernel benchmark (extra arguments go to it), then whole-engine throughput. Logs and results land
-# in $OUT; TEST_LIMIT, KERNEL_LIMIT and ENGINE_LIMIT cap each step's seconds.
+# kernel benchmark (extra arguments go to it), then whole-engine throughput with and without decode
+# CUDA graphs. Logs and results land in $OUT; TEST_LIMIT, KERNEL_LIMIT, ENGINE_LIMIT and
+# ENGINE_EAGER_LIMIT cap each step's seconds.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -23,3 +24,8 @@ timeout "${KERNEL_LIMIT:-300}" python3 benchmarks/bench_kernels.py --out "$OUT" 
 sed -n '/^summary/,$p' "$OUT/bench_kernels.log" | tail -30; tail -3 "$OUT/bench_kernels.log"
 timeout "${ENGINE_LIMIT:-240}" python3 benchmarks/bench_engine_gpu.py --out "$OUT/bench_engine.json" 2>&1 \
     | tee "$OUT/bench_engine.log" | tail -8
+# the same without decode CUDA graphs (ENGINE_EAGER_LIMIT=0 skips it)
+if [ "${ENGINE_EAGER_LIMIT:-240}" -gt 0 ]; then
+    timeout "${ENGINE_EAGER_LIMIT:-240}" python3 benchmarks/bench_engine_gpu.py --enforce-eager \
+        --out "$OUT/bench_engine_eager.json" 2>&1 | tee "$OUT/bench_engine_eager.log" | tail -6
+fi

@@ -104,11 +104,11 @@ class DecodeGraphs:
             out = self.forward(*args)
         self._graphs[size] = (graph, out)
 
-    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-            block_tables: list[list[int]], seq_lens: list[int]) -> torch.Tensor | None:
-        """Replay the decode step of len(input_ids) sequences (one token each); the hidden states
-        (n, hidden), valid until the next replay. None when the batch is larger than any graph (or
-        its block tables wider than max_model_len allows): the caller runs it eagerly."""
+    def stage(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+              block_tables: list[list[int]], seq_lens: list[int]) -> int | None:
+        """Copy a decode batch (one token per sequence) into the static inputs, padded to the
+        smallest captured size that holds it; that size, or None when none does (more sequences
+        than the largest size, or block tables wider than max_model_len allows)."""
         n = len(input_ids)
         size = next((s for s in self.sizes if s >= n), None)
         width = len(block_tables[0])
@@ -123,10 +123,19 @@ class DecodeGraphs:
         self.seq_lens[:size].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
         # columns past a row's own blocks are never read (the kernels stop at its context)
         self.block_tables[:n, :width].copy_(torch.tensor(block_tables, dtype=torch.int32), non_blocking=True)
+        return size
+
+    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+            block_tables: list[list[int]], seq_lens: list[int]) -> torch.Tensor | None:
+        """Replay the decode step of len(input_ids) sequences; their hidden states (n, hidden),
+        valid until the next replay, or None when no graph holds the batch (run it eagerly)."""
+        size = self.stage(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        if size is None:
+            return None
         graph, out = self._graphs[size]
         graph.replay()
         self.replays += 1
-        return out[:n]
+        return out[:len(input_ids)]
 
 
 def model_forward(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

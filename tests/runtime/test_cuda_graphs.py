@@ -38,3 +38,28 @@ def test_graphs_are_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not graphs_enabled()
     monkeypatch.setenv("KVPILOT_CUDA_GRAPHS", "1")
     assert graphs_enabled()
+
+
+def test_staging_pads_with_rows_that_write_nowhere() -> None:
+    """The static inputs a graph replays: after a larger batch, a smaller one's padding rows must
+    not keep the larger batch's cache slots (a replay would write the padding's K/V there)."""
+    import torch
+
+    from kvpilot.runtime.cuda_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(lambda *_: torch.zeros(0), max_num_seqs=20, max_blocks_per_seq=4,
+                          device=torch.device("cpu"))
+    assert graphs.sizes == [1, 2, 4, 8, 16, 20]
+    ten = list(range(10))
+    assert graphs.stage([7] * 10, [5] * 10, [100 + i for i in ten], [[i, i + 1] for i in ten], [6] * 10) == 16
+    assert graphs.slot_mapping[:16].tolist() == [100 + i for i in ten] + [-1] * 6
+    assert graphs.stage([1, 2, 3], [9, 8, 7], [40, 41, 42], [[3, 4, 5], [6, 7, 8], [9, 10, 11]], [10, 9, 8]) == 4
+    assert graphs.input_ids[:4].tolist() == [1, 2, 3, 0]
+    assert graphs.positions[:4].tolist() == [9, 8, 7, 0]
+    assert graphs.slot_mapping[:16].tolist()[:4] == [40, 41, 42, -1]
+    assert graphs.seq_lens[:4].tolist() == [10, 9, 8, 1]
+    assert graphs.block_tables[:3, :3].tolist() == [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert graphs.query_start_loc[:5].tolist() == [0, 1, 2, 3, 4]
+    # more sequences than the largest graph, or wider tables than max_model_len allows: eager
+    assert graphs.stage([0] * 21, [0] * 21, [0] * 21, [[0]] * 21, [1] * 21) is None
+    assert graphs.stage([0], [0], [0], [[0] * 5], [1]) is None
