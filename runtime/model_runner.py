@@ -196,7 +196,7 @@ class ModelRunner:
         dev = self.device
         max_query_len = max(b - a for a, b in itertools.pairwise(inputs.query_start_loc))
         hidden = None
-        if self.graphs is not None and max_query_len == 1:
+        if self.graphs is not None and max_query_len == 1 and len(inputs.input_ids) == len(inputs.seq_lens):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,
                                      inputs.block_tables, inputs.seq_lens)
         if hidden is None:
