@@ -188,8 +188,11 @@ class Bench:
         configs = [DecodeConfig()]
         if self.sweep:
             # the tile shapes that came closest in earlier sweeps
-            configs += [DecodeConfig(n, w, s) for n, w, s in ((64, 4, 2), (64, 2, 3), (64, 4, 3), (128, 4, 2),
-                                                              (128, 8, 2), (32, 4, 2))]
+            configs += [DecodeConfig(n, w, s) for n, w, s in ((64, 4, 2), (64, 2, 3), (128, 4, 2), (32, 4, 2))]
+            # block ids one tile ahead: K/V double-buffered (offline sm_90 compile: 32-token tiles
+            # with 3 stages fit 5-6 programs per SM, so all 512 programs are resident at once)
+            configs += [DecodeConfig(n, w, s, prefetch=True) for n, w, s in ((32, 2, 3), (32, 4, 3), (32, 2, 4),
+                                                                             (64, 2, 3), (64, 4, 3), (64, 2, 4))]
         for block_size in (16, 8, 32, 64):
             batch = self.paged_batch([(ctx, 1)] * b, heads, kv_heads, d, block_size)
             best = math.inf
@@ -254,8 +257,8 @@ class Bench:
         configs = [PrefillConfig()]
         if self.sweep:
             configs += [PrefillConfig(*c) for c in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3),
-                                                    (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 4, 3),
-                                                    (64, 64, 8, 2))]
+                                                    (64, 128, 4, 2), (128, 64, 4, 3), (64, 64, 8, 2),
+                                                    (64, 64, 4, 3, True), (128, 64, 8, 3, True))]
         for cfg in configs:
             try:
                 ms = self.time_ms(partial(paged_attention_with, *batch, scale, prefill=cfg))

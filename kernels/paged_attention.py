@@ -60,6 +60,7 @@ class DecodeConfig:
     block_n: int = 64  # context tokens per K/V tile (several cache blocks when block_size < it)
     num_warps: int = 2
     num_stages: int = 2
+    prefetch: bool = False  # block ids one tile ahead (see _attend_keys); not yet timed on a GPU
 
 
 MULTI_DECODE = DecodeConfig(block_n=128, num_warps=4, num_stages=2)
@@ -71,6 +72,7 @@ class PrefillConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    prefetch: bool = False  # as in DecodeConfig
 
 
 def _interpreting() -> bool:
@@ -110,13 +112,17 @@ def _attend_tile(
 
 
 @triton.jit
-def _tile_ptrs(k_base, v_base, table, n, n_ok, d, stride_kb, stride_ks, stride_vb, stride_vs,
-               BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """K and V tile pointers of context positions n (block ids looked up per position)."""
+def _block_ids(table, n, n_ok, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """The cache block holding each context position n (0 where n_ok is false, when MASKED)."""
     if MASKED:
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-    else:
-        block = tl.load(table + n // BLOCK_SIZE).to(tl.int64)
+        return tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0)
+    return tl.load(table + n // BLOCK_SIZE)
+
+
+@triton.jit
+def _tile_ptrs(k_base, v_base, block, n, d, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_SIZE: tl.constexpr):
+    """K and V tile pointers of context positions n, which lie in cache blocks `block`."""
+    block = block.to(tl.int64)
     slot = n % BLOCK_SIZE
     k_ptrs = k_base + (block * stride_kb + slot * stride_ks)[:, None] + d[None, :]
     v_ptrs = v_base + (block * stride_vb + slot * stride_vs)[:, None] + d[None, :]
@@ -128,26 +134,44 @@ def _attend_keys(
     q, k_base, v_base, table, lo, full_hi, hi, pos, scale_log2, d, d_ok,
     stride_kb, stride_ks, stride_vb, stride_vs,
     ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Online softmax of q's ROWS rows over keys [lo, hi): [lo, full_hi) (whole tiles every row
     sees entirely) with no masks at all, then [full_hi, hi) with row r seeing keys <= pos[r].
-    Returns the rows' (max, sum, unnormalised output)."""
+    Returns the rows' (max, sum, unnormalised output).
+
+    PREFETCH loads the whole tiles' block ids one iteration ahead. Without it, each tile's K/V
+    loads depend on a load in their own iteration, and Triton's pipeliner gives K and V one
+    shared-memory buffer each at any num_stages (seen in the TTGIR compiled for sm_90): a program
+    waits for its tile, computes, then issues the next loads. With it, the K/V addresses come
+    from the previous iteration, which lets the pipeliner overlap them with the compute."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for start in range(lo, full_hi, BLOCK_N):
-        n = start + offs_n
-        k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, table, n, n, d, stride_kb, stride_ks, stride_vb,
-                                    stride_vs, BLOCK_SIZE, False)
-        m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n, n, m_i, l_i, acc, scale_log2, d_ok,
-                                     HEAD_DIM, D_PAD, False, PRECISION)
+    if PREFETCH:
+        block = _block_ids(table, lo + offs_n, lo + offs_n < full_hi, BLOCK_SIZE, True)
+        for start in range(lo, full_hi, BLOCK_N):
+            n = start + offs_n
+            k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, block, n, d, stride_kb, stride_ks, stride_vb,
+                                        stride_vs, BLOCK_SIZE)
+            block = _block_ids(table, n + BLOCK_N, n + BLOCK_N < full_hi, BLOCK_SIZE, True)
+            m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n, n, m_i, l_i, acc, scale_log2, d_ok,
+                                         HEAD_DIM, D_PAD, False, PRECISION)
+    else:
+        for start in range(lo, full_hi, BLOCK_N):
+            n = start + offs_n
+            block = _block_ids(table, n, n, BLOCK_SIZE, False)
+            k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, block, n, d, stride_kb, stride_ks, stride_vb,
+                                        stride_vs, BLOCK_SIZE)
+            m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n, n, m_i, l_i, acc, scale_log2, d_ok,
+                                         HEAD_DIM, D_PAD, False, PRECISION)
     for start in range(full_hi, hi, BLOCK_N):
         n = start + offs_n
         n_ok = n < hi
-        k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, table, n, n_ok, d, stride_kb, stride_ks, stride_vb,
-                                    stride_vs, BLOCK_SIZE, True)
+        block = _block_ids(table, n, n_ok, BLOCK_SIZE, True)
+        k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, block, n, d, stride_kb, stride_ks, stride_vb,
+                                    stride_vs, BLOCK_SIZE)
         m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n_ok, n[None, :] <= pos[:, None], m_i, l_i, acc,
                                      scale_log2, d_ok, HEAD_DIM, D_PAD, True, PRECISION)
     return m_i, l_i, acc
@@ -160,7 +184,7 @@ def _decode_token(
     stride_kb, stride_ks, stride_vb, stride_vs, stride_pt, stride_ph, stride_ps,
     heads, row_ok, d, d_ok,
     M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Attention of one query token (its GQA group's heads as rows) over keys [lo, hi) of its
     slice of the context: full tiles unmasked, then the masked tail."""
@@ -172,7 +196,7 @@ def _decode_token(
     pos = tl.zeros([M], tl.int32) + (hi - 1)  # every row (head) sees the whole slice
     m_i, l_i, acc = _attend_keys(q, k_base, v_base, table, lo, full_hi, hi, pos, scale_log2, d, d_ok,
                                  stride_kb, stride_ks, stride_vb, stride_vs, M, HEAD_DIM, D_PAD,
-                                 BLOCK_SIZE, BLOCK_N, PRECISION)
+                                 BLOCK_SIZE, BLOCK_N, PRECISION, PREFETCH)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     if SPLIT:
@@ -196,7 +220,7 @@ def _decode_kernel(
     stride_pt, stride_ph, stride_ps,
     GROUP: tl.constexpr, M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MULTI: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # KV head fastest: programs side by side share a sequence's cache rows (measured within noise
     # of sequence-fastest order at fae0681, 0.1491 against 0.1500 ms; kept)
@@ -220,7 +244,7 @@ def _decode_kernel(
         _decode_token(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_base, v_base, table, q_start,
                       ctx, split, split_size, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_kb, stride_ks, stride_vb, stride_vs, stride_pt, stride_ph, stride_ps,
-                      heads, row_ok, d, d_ok, M, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SPLIT, PRECISION)
+                      heads, row_ok, d, d_ok, M, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SPLIT, PRECISION, PREFETCH)
     elif MULTI:
         # an all-decode-sized batch that may hold empty sequences: this program takes every query
         # token of its sequence; token tok sits at context position ctx - (q_end - tok)
@@ -229,7 +253,7 @@ def _decode_kernel(
                           ctx - q_end + tok + 1, split, split_size, scale_log2, stride_qt, stride_qh,
                           stride_ot, stride_oh, stride_kb, stride_ks, stride_vb, stride_vs,
                           stride_pt, stride_ph, stride_ps, heads, row_ok, d, d_ok,
-                          M, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SPLIT, PRECISION)
+                          M, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SPLIT, PRECISION, PREFETCH)
 
 
 @triton.jit
@@ -271,7 +295,7 @@ def _prefill_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -306,7 +330,7 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     _, l_i, acc = _attend_keys(q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, table, 0, full_n, hi_n,
                                pos, scale_log2, d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
-                               BLOCK_M, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, PRECISION)
+                               BLOCK_M, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, PREFETCH)
     o = acc / l_i[:, None]
     tl.store(out_ptr + (q_rows * stride_ot + heads * stride_oh)[:, None] + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -425,7 +449,7 @@ def paged_attention_with(
         num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
         GROUP=group, M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=decode.block_n, SPLIT=num_splits > 1, MULTI=multi,
-        PRECISION=precision,
+        PRECISION=precision, PREFETCH=decode.prefetch,
         num_warps=decode.num_warps, num_stages=decode.num_stages,
     )
     if num_splits > 1:
@@ -441,7 +465,7 @@ def paged_attention_with(
             out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale_log2, num_seqs,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
             GROUP=group, BLOCK_M=prefill.block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, D_PAD=d_pad,
-            BLOCK_SIZE=block_size, BLOCK_N=prefill.block_n, PRECISION=precision,
+            BLOCK_SIZE=block_size, BLOCK_N=prefill.block_n, PRECISION=precision, PREFETCH=prefill.prefetch,
             num_warps=prefill.num_warps, num_stages=prefill.num_stages,
         )
     return out
