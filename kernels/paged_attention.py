@@ -151,21 +151,16 @@ def _attend_keys(
     offs_n = tl.arange(0, BLOCK_N)
     if PREFETCH:
         block = _block_ids(table, lo + offs_n, lo + offs_n < full_hi, BLOCK_SIZE, True)
-        for start in range(lo, full_hi, BLOCK_N):
-            n = start + offs_n
-            k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, block, n, d, stride_kb, stride_ks, stride_vb,
-                                        stride_vs, BLOCK_SIZE)
-            block = _block_ids(table, n + BLOCK_N, n + BLOCK_N < full_hi, BLOCK_SIZE, True)
-            m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n, n, m_i, l_i, acc, scale_log2, d_ok,
-                                         HEAD_DIM, D_PAD, False, PRECISION)
-    else:
-        for start in range(lo, full_hi, BLOCK_N):
-            n = start + offs_n
+    for start in range(lo, full_hi, BLOCK_N):
+        n = start + offs_n
+        if not PREFETCH:
             block = _block_ids(table, n, n, BLOCK_SIZE, False)
-            k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, block, n, d, stride_kb, stride_ks, stride_vb,
-                                        stride_vs, BLOCK_SIZE)
-            m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n, n, m_i, l_i, acc, scale_log2, d_ok,
-                                         HEAD_DIM, D_PAD, False, PRECISION)
+        k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, block, n, d, stride_kb, stride_ks, stride_vb,
+                                    stride_vs, BLOCK_SIZE)
+        if PREFETCH:
+            block = _block_ids(table, n + BLOCK_N, n + BLOCK_N < full_hi, BLOCK_SIZE, True)
+        m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n, n, m_i, l_i, acc, scale_log2, d_ok,
+                                     HEAD_DIM, D_PAD, False, PRECISION)
     for start in range(full_hi, hi, BLOCK_N):
         n = start + offs_n
         n_ok = n < hi
