@@ -191,8 +191,9 @@ class Bench:
             configs += [DecodeConfig(n, w, s) for n, w, s in ((64, 4, 2), (64, 2, 3), (128, 4, 2), (32, 4, 2))]
             # block ids one tile ahead: K/V double-buffered (offline sm_90 compile: 32-token tiles
             # with 3 stages fit 5-6 programs per SM, so all 512 programs are resident at once)
+            # (`benchmarks/compile_probe.py`: two K/V buffers need num_stages 3, three need 4)
             configs += [DecodeConfig(n, w, s, prefetch=True) for n, w, s in ((32, 2, 3), (32, 4, 3), (32, 2, 4),
-                                                                             (64, 2, 3), (64, 4, 3), (64, 2, 4))]
+                                                                             (32, 4, 4), (16, 2, 4), (64, 2, 3))]
         for block_size in (16, 8, 32, 64):
             batch = self.paged_batch([(ctx, 1)] * b, heads, kv_heads, d, block_size)
             best = math.inf
