@@ -315,6 +315,18 @@ class Cluster:
         progress = {"serving.kvpilot.io/reconcile", "serving.kvpilot.io/touch-dummy"}
         return not progress & set(annotations)
 
+    async def settled(self, name: str, quiet: float = 1.0) -> None:
+        """Idle, and no write for `quiet` seconds. Idle alone is not enough: a handler that has just
+        failed (a 409 on its status write, say) is idle until kopf patches in its retry progress a
+        moment later; stopping the operator in between leaves a retry for the next run."""
+        async def quiet_and_idle() -> bool:
+            writes = len(self.emulator.writes())
+            await asyncio.sleep(quiet)
+            return self.idle(name) and len(self.emulator.writes()) == writes
+        deadline = time.monotonic() + 15
+        while not await quiet_and_idle():
+            assert time.monotonic() < deadline, f"{name} never settled"
+
     def events(self, name: str) -> list[tuple[str, str, str]]:
         return [(o["type"], o["reason"], o["message"]) for k, o in self.emulator.store.items()
                 if k[2] == "events" and o.get("involvedObject", {}).get("name") == name]
@@ -425,8 +437,7 @@ async def test_restart_changes_nothing(cluster: Cluster) -> None:
         await eventually(lambda: cluster.get("deployments", "smol"), what="the Deployment")
         await cluster.roll_out("smol")
         await eventually(lambda: cluster.condition("smol", "Ready") == ("True", "AllReplicasReady"), what="Ready")
-        await eventually(lambda: cluster.idle("smol"), what="kopf to finish handling")
-        await asyncio.sleep(0.5)
+        await cluster.settled("smol")
     before = copy.deepcopy(cluster.emulator.store)
     writes_before = len(cluster.emulator.writes())
     gets_before = cluster.emulator.calls.count(("GET", "deployments", "smol", None))
