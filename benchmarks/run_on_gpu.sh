@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Everything the repository checks and times on a GPU, in one call (the lent H200 via the device
+# Everything the repository checks and times on a GPU (the lent H200 via the device
 # tool, or any CUDA machine with torch, triton, transformers and pytest):
 #   COMMIT=<hash> bash benchmarks/run_on_gpu.sh [--sweep]
 # GPU tests (kernels at real sizes, the engine on CUDA against HF; TESTS narrows them), then the
 # kernel benchmark (extra arguments go to it), then whole-engine throughput with and without decode
 # CUDA graphs. Logs and results land in $OUT; TEST_LIMIT, KERNEL_LIMIT, ENGINE_LIMIT and
-# ENGINE_EAGER_LIMIT cap each step's seconds.
+# ENGINE_EAGER_LIMIT cap each step's seconds (0 skips the step). The defaults add up to more than
+# one 600 s device call: split a full run over calls, e.g. the tests in one and the rest in another.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -16,16 +17,20 @@ mkdir -p "$shim/kvpilot"
 for c in runtime kernels operator; do ln -s "$PWD/$c" "$shim/kvpilot/$c"; done
 export PYTHONPATH="$shim"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
+# run_step LIMIT_SECONDS ...: the command under a time cap; a cap of 0 skips the step
+run_step() {
+    local limit=$1
+    shift
+    [ "$limit" -gt 0 ] && timeout "$limit" "$@"
+}
 # shellcheck disable=SC2086 (TESTS is a list of paths)
-timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels tests/runtime/test_gpu_engine.py} \
+run_step "${TEST_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels tests/runtime/test_gpu_engine.py} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-timeout "${KERNEL_LIMIT:-300}" python3 benchmarks/bench_kernels.py --out "$OUT" --commit "${COMMIT:-unknown}" "$@" \
+run_step "${KERNEL_LIMIT:-300}" python3 benchmarks/bench_kernels.py --out "$OUT" --commit "${COMMIT:-unknown}" "$@" \
     > "$OUT/bench_kernels.log" 2>&1
 sed -n '/^summary/,$p' "$OUT/bench_kernels.log" | tail -30; tail -3 "$OUT/bench_kernels.log"
-timeout "${ENGINE_LIMIT:-240}" python3 benchmarks/bench_engine_gpu.py --out "$OUT/bench_engine.json" 2>&1 \
+run_step "${ENGINE_LIMIT:-240}" python3 benchmarks/bench_engine_gpu.py --out "$OUT/bench_engine.json" 2>&1 \
     | tee "$OUT/bench_engine.log" | tail -8
-# the same without decode CUDA graphs (ENGINE_EAGER_LIMIT=0 skips it)
-if [ "${ENGINE_EAGER_LIMIT:-240}" -gt 0 ]; then
-    timeout "${ENGINE_EAGER_LIMIT:-240}" python3 benchmarks/bench_engine_gpu.py --enforce-eager \
-        --out "$OUT/bench_engine_eager.json" 2>&1 | tee "$OUT/bench_engine_eager.log" | tail -6
-fi
+# the same without decode CUDA graphs
+run_step "${ENGINE_EAGER_LIMIT:-240}" python3 benchmarks/bench_engine_gpu.py --enforce-eager \
+    --out "$OUT/bench_engine_eager.json" 2>&1 | tee "$OUT/bench_engine_eager.log" | tail -6
