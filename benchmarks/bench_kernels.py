@@ -189,9 +189,8 @@ class Bench:
         if self.sweep:
             # the tile shapes that came closest in earlier sweeps
             configs += [DecodeConfig(n, w, s) for n, w, s in ((64, 4, 2), (64, 2, 3), (128, 4, 2), (32, 4, 2))]
-            # block ids one tile ahead: K/V double-buffered (offline sm_90 compile: 32-token tiles
-            # with 3 stages fit 5-6 programs per SM, so all 512 programs are resident at once)
-            # (`benchmarks/compile_probe.py`: two K/V buffers need num_stages 3, three need 4)
+            # block ids one tile ahead, so K/V get 2 buffers at num_stages 3 and 3 at 4; these keep
+            # all 512 programs resident at once (`benchmarks/compile_probe.py`)
             configs += [DecodeConfig(n, w, s, prefetch=True) for n, w, s in ((32, 2, 3), (32, 4, 3), (32, 2, 4),
                                                                              (32, 4, 4), (16, 2, 4), (64, 2, 3))]
         for block_size in (16, 8, 32, 64):

@@ -9,7 +9,7 @@ Usage: PYTHONSAFEPATH=1 python benchmarks/compile_probe.py [--configs 64,2,2 32,
 The figures are the compiler's; the timings they explain are in benchmarks/RESULTS.md. Seen at
 0ae93f0: without prefetch every config has one K and one V buffer whatever num_stages is; the
 configs whose programs all fit at once (waves <= 1) ran fastest, those with a second, mostly
-empty wave (waves 1.29) 10-35% slower.
+empty wave (waves 1.29) 14-35% slower.
 """
 
 from __future__ import annotations

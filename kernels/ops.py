@@ -2,10 +2,11 @@
 
 CUDA tensors go to the Triton kernels (`triton_ops`) when they exist and import; CPU tensors go to
 `cpu_ops` (float32 kernels in C: decode attention, norms, rotary, cache writes) when its C file
-builds on this machine, else to the plain-torch reference (`reference`). `KVPILOT_KERNELS=triton` forces Triton
-(tests set it together with `TRITON_INTERPRET=1` to run the kernels on CPU); `KVPILOT_KERNELS=cpu`
-forces `cpu_ops` (an error where it cannot build); `KVPILOT_KERNELS=reference` forces the
-reference everywhere. Signatures and layouts are those of `reference.py`.
+builds on this machine, else to the plain-torch reference (`reference`). `KVPILOT_KERNELS=triton`
+forces Triton (tests set it together with `TRITON_INTERPRET=1` to run the kernels on CPU);
+`KVPILOT_KERNELS=cpu` forces `cpu_ops` (an error where it cannot build);
+`KVPILOT_KERNELS=reference` forces the reference everywhere. Signatures and layouts are those of
+`reference.py`.
 
 The index tensors of a step (positions, slot_mapping, block_tables, seq_lens, query_start_loc)
 are read-only once passed to an op: the reference plans its index work once per step and reuses

@@ -53,7 +53,8 @@ MAX_HEAD_DIM = 128
 # case (see benchmarks/RESULTS.md). Decode B=64 x 2048, block 16, the single-token kernel (the
 # engine passes max_query_len): (64, 2, 2) 0.1356 ms, (64, 4, 2) 0.1366, (128, 4, 2) 0.157, SDPA on
 # contiguous KV 0.1347 in the same run. The MULTI kernel (no max_query_len) compiles differently:
-# (128, 4, 2) 0.139 ms but (64, 4, 2) 0.148, hence its own default. Prefill 8 x 1024 ran 0.285 ms
+# (128, 4, 2) 0.139 ms but (64, 4, 2) 0.148, hence its own default. What decides it is how many
+# programs fit per SM, set by registers and shared memory (`benchmarks/compile_probe.py`). Prefill 8 x 1024 ran 0.285 ms
 # against 0.323 ms with (128, 64, 8, 2).
 @dataclass(frozen=True)
 class DecodeConfig:
