@@ -256,9 +256,10 @@ class Bench:
         batch = self.paged_batch(specs, heads, kv_heads, d, 16)
         configs = [PrefillConfig()]
         if self.sweep:
-            configs += [PrefillConfig(*c) for c in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3),
-                                                    (64, 128, 4, 2), (128, 64, 4, 3), (64, 64, 8, 2),
-                                                    (64, 64, 4, 3, True), (128, 64, 8, 3, True))]
+            configs += [PrefillConfig(*c) for c in ((64, 64, 4, 3, False), (128, 64, 8, 3, False),
+                                                    (128, 64, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3),
+                                                    (128, 128, 8, 3), (64, 64, 8, 3), (128, 64, 8, 4),
+                                                    (128, 64, 4, 3), (64, 32, 4, 4))]
         for cfg in configs:
             try:
                 ms = self.time_ms(partial(paged_attention_with, *batch, scale, prefill=cfg))

@@ -54,14 +54,18 @@ MAX_HEAD_DIM = 128
 # engine passes max_query_len): (64, 2, 2) 0.1356 ms, (64, 4, 2) 0.1366, (128, 4, 2) 0.157, SDPA on
 # contiguous KV 0.1347 in the same run. The MULTI kernel (no max_query_len) compiles differently:
 # (128, 4, 2) 0.139 ms but (64, 4, 2) 0.148, hence its own default. What decides it is how many
-# programs fit per SM, set by registers and shared memory (`benchmarks/compile_probe.py`). Prefill 8 x 1024 ran 0.285 ms
-# against 0.323 ms with (128, 64, 8, 2).
+# programs fit per SM, set by registers and shared memory (`benchmarks/compile_probe.py`). Loading
+# block ids a tile ahead (prefetch) changes nothing measurable in decode (32-token tiles, 2 warps,
+# 3 stages: 0.1352 ms) but lets prefill keep 2 K/V buffers in flight: 8 x 1024 prefill 0.2646 ms
+# with (64, 64, 4, 3) + prefetch against 0.2861 without (SDPA flash 0.2772), chunked prefill 0.7968
+# against 0.8887 (SDPA 0.8998); (128, 128, 8, 3) + prefetch is faster on chunked prefill only
+# (0.7670) and slower on prefill (0.3017), so one default covers both.
 @dataclass(frozen=True)
 class DecodeConfig:
     block_n: int = 64  # context tokens per K/V tile (several cache blocks when block_size < it)
     num_warps: int = 2
     num_stages: int = 2
-    prefetch: bool = False  # block ids one tile ahead (see _attend_keys); not yet timed on a GPU
+    prefetch: bool = False  # block ids one tile ahead (see _attend_keys)
 
 
 MULTI_DECODE = DecodeConfig(block_n=128, num_warps=4, num_stages=2)
@@ -73,7 +77,7 @@ class PrefillConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    prefetch: bool = False  # as in DecodeConfig
+    prefetch: bool = True  # as in DecodeConfig
 
 
 def _interpreting() -> bool:
