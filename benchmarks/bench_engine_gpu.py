@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import time
 from pathlib import Path
@@ -76,8 +75,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the rows here as JSON")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     args = parser.parse_args()
-    if not args.enforce_eager:
-        os.environ["KVPILOT_CUDA_GRAPHS"] = "1"  # off by default until checked on a GPU (cuda_graphs.py)
     rate = copy_rate()
     head = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_TBps": rate / 1e12,
             "cuda_graphs": not args.enforce_eager}

@@ -23,7 +23,7 @@ from kvpilot.kernels import ops as kernel_ops
 from kvpilot.kernels.reference import kv_cache_empty
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.cpu_linear import pack_linears
-from kvpilot.runtime.cuda_graphs import DecodeGraphs, graphs_enabled, model_forward
+from kvpilot.runtime.cuda_graphs import DecodeGraphs, model_forward
 from kvpilot.runtime.loader import load_model, resolve_dtype
 from kvpilot.runtime.models.llama import AttentionMetadata, cos_sin_cache
 from kvpilot.runtime.parallel import TPInfo
@@ -69,12 +69,11 @@ class ModelRunner:
         self._capture_graphs()
 
     def _capture_graphs(self) -> None:
-        """CUDA graphs for decode steps (cuda_graphs.py) when KVPILOT_CUDA_GRAPHS=1, unless
-        --enforce-eager. Under tensor parallelism the steps stay eager: graphs over NCCL
-        collectives have not been run here."""
+        """CUDA graphs for decode steps (cuda_graphs.py) on CUDA, unless --enforce-eager. Under
+        tensor parallelism the steps stay eager: graphs over NCCL collectives have not been run
+        here (no machine with several GPUs was lent)."""
         self.graphs = None
-        if (self.device.type != "cuda" or self.config.device.enforce_eager or self.tp.size > 1
-                or not graphs_enabled()):
+        if self.device.type != "cuda" or self.config.device.enforce_eager or self.tp.size > 1:
             return
         max_blocks = -(-self.config.model.max_model_len // self.block_size)
         graphs = DecodeGraphs(model_forward(self.model, self.kv_caches, self.rope, self.ops),

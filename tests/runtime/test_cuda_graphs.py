@@ -25,20 +25,10 @@ def test_capture_sizes_cover_every_batch_with_less_than_8_rows_of_padding(max_nu
         assert padded - n < 8
 
 
-def test_cpu_engine_has_no_graphs(tiny_models, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVPILOT_CUDA_GRAPHS", "1")  # asked for, yet a CPU engine runs eagerly
+def test_cpu_engine_has_no_graphs(tiny_models) -> None:
     folder, _ = tiny_models["llama"]
     llm = LLM(folder, device="cpu", max_model_len=64)
     assert llm.engine.runner.graphs is None
-
-
-def test_graphs_are_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpilot.runtime.cuda_graphs import graphs_enabled
-
-    monkeypatch.delenv("KVPILOT_CUDA_GRAPHS", raising=False)
-    assert not graphs_enabled()
-    monkeypatch.setenv("KVPILOT_CUDA_GRAPHS", "1")
-    assert graphs_enabled()
 
 
 def test_staging_pads_with_rows_that_write_nowhere() -> None:

@@ -18,12 +18,6 @@ from kvpilot.runtime import LLM, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.fixture(autouse=True)
-def _cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode CUDA graphs are off by default until these tests have passed on a GPU."""
-    monkeypatch.setenv("KVPILOT_CUDA_GRAPHS", "1")
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, object]]:
     out = {}
