@@ -2,8 +2,11 @@
 batch sizes, the median decode step against its bandwidth floor (weights + the KV read once per step,
 at the copy rate measured in the same run). Correctness on CUDA is tests/runtime/test_gpu_engine.py.
 
+Each batch size runs with decode CUDA graphs and then without them in the same engine (forward_ms:
+the device span of the forward pass; the rest of a step is the host's scheduling and sampling).
+
 Usage (GPU): PYTHONSAFEPATH=1 python3 benchmarks/bench_engine_gpu.py [--batches 1 32 128 256] [--out FILE]
-                 [--enforce-eager]  (no CUDA graphs for decode steps)
+                 [--enforce-eager]  (an engine without graphs: eager rows only)
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -32,41 +36,79 @@ def copy_rate() -> float:
     return 4 * (1 << 29) / (ms * 1e-3)
 
 
-def throughput(batches: list[int], rate: float, enforce_eager: bool = False) -> list[dict[str, float]]:
+def throughput(batches: list[int], rate: float, enforce_eager: bool = False) -> list[dict[str, float | str]]:
+    """Each batch size runs twice in the same engine, with the decode graphs and then without
+    (the runner's graphs set aside), so both modes see the same host; --enforce-eager runs only
+    the second."""
     started = time.perf_counter()
     llm = LLM("llama-3-8b", load_format="dummy", device="cuda", max_model_len=PROMPT_LEN + NEW_TOKENS + 16,
               max_num_seqs=max(batches), max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
               enforce_eager=enforce_eager)
     print(json.dumps({"engine_start_s": time.perf_counter() - started, "enforce_eager": enforce_eager}), flush=True)
     rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [rng.randrange(1000, 100000) for _ in range(PROMPT_LEN)]}], SamplingParams(max_tokens=4))
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
-    kv_per_token = llm.engine.runner.bytes_per_block // llm.engine.config.cache.block_size
+    runner = llm.engine.runner
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_per_token = runner.bytes_per_block // llm.engine.config.cache.block_size
+    graphs = runner.graphs
+    forward_ms = timed_forward(runner)
     rows = []
     for batch in batches:
-        prompts = [{"prompt_token_ids": [rng.randrange(1000, 100000) for _ in range(PROMPT_LEN)]} for _ in range(batch)]
-        engine = llm.engine
-        for i, p in enumerate(prompts):
-            engine.add_request(f"b{batch}-{i}", p["prompt_token_ids"], params)
-        decode_times = []
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            t = time.perf_counter()
-            engine.step()
-            torch.cuda.synchronize()
-            stats = engine.last_step
-            if stats is not None and stats.num_prompt_tokens == 0 and stats.num_generation_tokens == batch:
-                decode_times.append(time.perf_counter() - t)
-        elapsed = time.perf_counter() - start
-        decode_times.sort()
-        step = decode_times[len(decode_times) // 2]
         # one decode step reads every weight and, on average, half the generated context's KV once
         floor = (weight_bytes + batch * (PROMPT_LEN + NEW_TOKENS // 2) * kv_per_token) / rate
-        rows.append({"batch": batch, "output_tok_s": batch * NEW_TOKENS / elapsed, "decode_step_ms": step * 1e3,
-                     "floor_ms": floor * 1e3, "of_floor": floor / step, "decode_tok_s": batch / step})
+        for mode in ("graphs", "eager") if graphs is not None else ("eager",):
+            runner.graphs = graphs if mode == "graphs" else None
+            prompts = [[rng.randrange(1000, 100000) for _ in range(PROMPT_LEN)] for _ in range(batch)]
+            row = decode_steps(llm, prompts, forward_ms, f"{mode}-{batch}")
+            rows.append({"batch": batch, "mode": mode, **row, "floor_ms": floor * 1e3,
+                         "of_floor": floor * 1e3 / row["decode_step_ms"]})
+            print(json.dumps(rows[-1]), flush=True)
+    runner.graphs = graphs
     return rows
+
+
+def timed_forward(runner: object) -> list[float]:
+    """Wrap the runner's forward pass (`_run`) so each call appends its device time in ms (CUDA
+    events around it: from its first launch to its last, host gaps included)."""
+    times: list[float] = []
+    inner = runner._run  # type: ignore[attr-defined]
+
+    def run(inputs: object) -> object:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = inner(inputs)
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+        return out
+
+    runner._run = run  # type: ignore[attr-defined]
+    return times
+
+
+def decode_steps(llm: LLM, prompts: list[list[int]], forward_ms: list[float], tag: str) -> dict[str, float]:
+    """Run the prompts to NEW_TOKENS tokens each; output tok/s over the whole run, and the median
+    step time and forward time of the steps that decode the whole batch."""
+    engine, batch = llm.engine, len(prompts)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    steps, forwards = [], []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        forward_ms.clear()
+        engine.step()
+        torch.cuda.synchronize()
+        stats = engine.last_step
+        if stats is not None and stats.num_prompt_tokens == 0 and stats.num_generation_tokens == batch:
+            steps.append(time.perf_counter() - t)
+            forwards.extend(forward_ms)
+    elapsed = time.perf_counter() - start
+    step = statistics.median(steps)
+    return {"output_tok_s": batch * NEW_TOKENS / elapsed, "decode_step_ms": step * 1e3,
+            "forward_ms": statistics.median(forwards), "decode_tok_s": batch / step}
 
 
 def main() -> None:
@@ -80,8 +122,6 @@ def main() -> None:
             "cuda_graphs": not args.enforce_eager}
     print(json.dumps(head), flush=True)
     rows = throughput(args.batches, rate, args.enforce_eager)
-    for row in rows:
-        print(json.dumps(row), flush=True)
     if args.out:
         args.out.write_text(json.dumps({**head, "rows": rows}, indent=1))
 

@@ -4,8 +4,8 @@
 #   COMMIT=<hash> bash benchmarks/run_on_gpu.sh [--sweep]
 # GPU tests (kernels at real sizes, the engine on CUDA against HF; TESTS narrows them), then the
 # kernel benchmark (extra arguments go to it), then whole-engine throughput with and without decode
-# CUDA graphs. Logs and results land in $OUT; TEST_LIMIT, KERNEL_LIMIT, ENGINE_LIMIT and
-# ENGINE_EAGER_LIMIT cap each step's seconds (0 skips the step). The defaults add up to more than
+# CUDA graphs. Logs and results land in $OUT; TEST_LIMIT, KERNEL_LIMIT and ENGINE_LIMIT cap each
+# step's seconds (0 skips the step). The defaults add up to more than
 # one 600 s device call: split a full run over calls, e.g. the tests in one and the rest in another.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -29,8 +29,6 @@ run_step "${TEST_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-
 run_step "${KERNEL_LIMIT:-300}" python3 benchmarks/bench_kernels.py --out "$OUT" --commit "${COMMIT:-unknown}" "$@" \
     > "$OUT/bench_kernels.log" 2>&1
 sed -n '/^summary/,$p' "$OUT/bench_kernels.log" | tail -30; tail -3 "$OUT/bench_kernels.log"
-run_step "${ENGINE_LIMIT:-240}" python3 benchmarks/bench_engine_gpu.py --out "$OUT/bench_engine.json" 2>&1 \
-    | tee "$OUT/bench_engine.log" | tail -8
-# the same without decode CUDA graphs
-run_step "${ENGINE_EAGER_LIMIT:-240}" python3 benchmarks/bench_engine_gpu.py --enforce-eager \
-    --out "$OUT/bench_engine_eager.json" 2>&1 | tee "$OUT/bench_engine_eager.log" | tail -6
+# each batch size with and without decode CUDA graphs, in one engine
+run_step "${ENGINE_LIMIT:-300}" python3 benchmarks/bench_engine_gpu.py --out "$OUT/bench_engine.json" 2>&1 \
+    | tee "$OUT/bench_engine.log" | tail -10
