@@ -16,7 +16,8 @@ tensors the graphs point to. Prefill and mixed steps, batches larger than the la
 
 CI has no GPU: tests/runtime/test_gpu_engine.py checks the graphs against HF and against eager mode
 on the lent H200 (`benchmarks/run_on_gpu.sh`). There, a Llama-3-8B-shaped decode step took
-5.3/6.4/9.9/15.8 ms at batch 1/32/128/256 against 17.5/25.9/31.9/31.4 eager (benchmarks/RESULTS.md).
+5.3/6.4/9.8/16.3 ms at batch 1/32/128/256 against 12.9/12.3/13.6/26.5 eager in the same engine
+(benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
