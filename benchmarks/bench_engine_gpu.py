@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.runtime import LLM, SamplingParams
+from kvpilot.runtime.model_runner import ModelRunner, StepInputs
 
 PROMPT_LEN, NEW_TOKENS = 512, 128
 
@@ -67,13 +68,13 @@ def throughput(batches: list[int], rate: float, enforce_eager: bool = False) -> 
     return rows
 
 
-def timed_forward(runner: object) -> list[float]:
+def timed_forward(runner: ModelRunner) -> list[float]:
     """Wrap the runner's forward pass (`_run`) so each call appends its device time in ms (CUDA
     events around it: from its first launch to its last, host gaps included)."""
     times: list[float] = []
-    inner = runner._run  # type: ignore[attr-defined]
+    inner = runner._run
 
-    def run(inputs: object) -> object:
+    def run(inputs: StepInputs) -> torch.Tensor | None:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         out = inner(inputs)
@@ -82,7 +83,7 @@ def timed_forward(runner: object) -> list[float]:
         times.append(begin.elapsed_time(end))
         return out
 
-    runner._run = run  # type: ignore[attr-defined]
+    runner._run = run  # type: ignore[method-assign]
     return times
 
 
