@@ -1,0 +1,291 @@
+"""Experiments on the last gap of issue 5: block-16 paged decode against SDPA on contiguous KV.
+
+Not part of the engine. Two ideas are timed against the shipped decode kernel and SDPA in one
+process (B=64 x 2048, 32/8 heads, head dim 128, bf16, head-major cache, random block tables):
+* TMA: one tensor-descriptor load per (cache block, KV head), i.e. one bulk copy of the
+  block's contiguous block_size x 256-byte run, TILES blocks per loop iteration.
+* L2 bulk prefetch: the shipped tile loop, plus `cp.async.bulk.prefetch.L2` of each cache block
+  of the tile DIST tiles ahead, so DRAM sees whole 4 KiB runs requested early.
+Each variant is checked against the reference before it is timed; a variant that fails to
+compile or differs is reported and skipped.
+    python benchmarks/exp_decode_paging.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import traceback
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kvpilot.kernels import reference
+from kvpilot.kernels.paged_attention import (
+    LOG2E,
+    DecodeConfig,
+    _attend_tile,
+    _block_ids,
+    _tile_ptrs,
+    paged_attention_with,
+)
+
+
+@triton.jit
+def _softmax_step(q, k, v, keep, m_i, l_i, acc, scale_log2, MASKED: tl.constexpr):
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    if MASKED:
+        s = tl.where(keep[None, :], s, float("-inf"))
+        v = tl.where(keep[:, None], v, 0.0)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _load_block(desc, blk, kvh, BS: tl.constexpr, D: tl.constexpr):
+    return desc.load([blk, kvh, 0, 0]).reshape(BS, D)
+
+
+@triton.jit
+def _tma_decode_kernel(
+    out_ptr, q_ptr, k_desc, v_desc, tables_ptr, seq_lens_ptr, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILES: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    seq = tl.program_id(1)
+    ctx = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, M)
+    row_ok = rows < GROUP
+    heads = kvh * GROUP + rows
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    table = tables_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    offs = tl.arange(0, BS)
+    full = ctx // (BS * TILES) * TILES  # blocks covered by whole iterations
+    for b in range(0, full, TILES):
+        b0 = tl.load(table + b)
+        k0 = _load_block(k_desc, b0, kvh, BS, D)
+        v0 = _load_block(v_desc, b0, kvh, BS, D)
+        m_i, l_i, acc = _softmax_step(q, k0, v0, offs, m_i, l_i, acc, scale_log2, False)
+        if TILES >= 2:
+            b1 = tl.load(table + b + 1)
+            k1 = _load_block(k_desc, b1, kvh, BS, D)
+            v1 = _load_block(v_desc, b1, kvh, BS, D)
+            m_i, l_i, acc = _softmax_step(q, k1, v1, offs, m_i, l_i, acc, scale_log2, False)
+        if TILES >= 4:
+            b2 = tl.load(table + b + 2)
+            b3 = tl.load(table + b + 3)
+            k2 = _load_block(k_desc, b2, kvh, BS, D)
+            v2 = _load_block(v_desc, b2, kvh, BS, D)
+            k3 = _load_block(k_desc, b3, kvh, BS, D)
+            v3 = _load_block(v_desc, b3, kvh, BS, D)
+            m_i, l_i, acc = _softmax_step(q, k2, v2, offs, m_i, l_i, acc, scale_log2, False)
+            m_i, l_i, acc = _softmax_step(q, k3, v3, offs, m_i, l_i, acc, scale_log2, False)
+    for b in range(full, tl.cdiv(ctx, BS)):
+        blk = tl.load(table + b)
+        k = _load_block(k_desc, blk, kvh, BS, D)
+        v = _load_block(v_desc, blk, kvh, BS, D)
+        m_i, l_i, acc = _softmax_step(q, k, v, b * BS + offs < ctx, m_i, l_i, acc, scale_log2, True)
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+def tma_decode(q, k_cache, v_cache, tables, seq_lens, scale, tiles, warps, stages):
+    """Single-token decode through per-block TMA loads; the caches must be head-major views."""
+    num_tokens, num_heads, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    descs = [TensorDescriptor.from_tensor(c.transpose(1, 2), [1, 1, bs, d]) for c in (k_cache, v_cache)]
+    out = torch.empty_like(q)
+    group = num_heads // kvh
+    _tma_decode_kernel[(kvh, tables.shape[0])](
+        out, q, *descs, tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        tables.stride(0), GROUP=group, M=max(16, triton.next_power_of_2(group)), D=d, BS=bs, TILES=tiles,
+        num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+@triton.jit
+def _l2_prefetch(addr, ok, BYTES: tl.constexpr):
+    """cp.async.bulk.prefetch.L2 of BYTES from each address where ok (one per lane; sm_90)."""
+    size = tl.zeros_like(ok.to(tl.int32)) + BYTES
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
+        "=r,l,r,r", [addr, ok.to(tl.int32), size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _pf_decode_kernel(
+    out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIST: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    seq = tl.program_id(1)
+    ctx = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, M)
+    row_ok = rows < GROUP
+    heads = kvh * GROUP + rows
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    table = tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    full_hi = ctx // BLOCK_N * BLOCK_N
+    nblocks = tl.cdiv(ctx, BLOCK_SIZE)
+    for i in range(0, DIST):  # the first DIST tiles' blocks
+        n = i * BLOCK_N + offs_n
+        ok = (n % BLOCK_SIZE == 0) & (n < ctx)
+        blk = tl.load(table + n // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        _l2_prefetch((k_base + blk * stride_kb).to(tl.int64), ok, BLOCK_SIZE * D * 2)
+        _l2_prefetch((v_base + blk * stride_vb).to(tl.int64), ok, BLOCK_SIZE * D * 2)
+    for start in range(0, full_hi, BLOCK_N):
+        n = start + offs_n
+        ahead = n + DIST * BLOCK_N
+        ok = (ahead % BLOCK_SIZE == 0) & (ahead // BLOCK_SIZE < nblocks)
+        pblk = tl.load(table + ahead // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        _l2_prefetch((k_base + pblk * stride_kb).to(tl.int64), ok, BLOCK_SIZE * D * 2)
+        _l2_prefetch((v_base + pblk * stride_vb).to(tl.int64), ok, BLOCK_SIZE * D * 2)
+        block = _block_ids(table, n, n, BLOCK_SIZE, False)
+        k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, block, n, d, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
+        m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n, n, m_i, l_i, acc, scale_log2, d < D, D, D, False, "tf32")
+    for start in range(full_hi, ctx, BLOCK_N):
+        n = start + offs_n
+        n_ok = n < ctx
+        block = _block_ids(table, n, n_ok, BLOCK_SIZE, True)
+        k_ptrs, v_ptrs = _tile_ptrs(k_base, v_base, block, n, d, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
+        m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, n_ok, n_ok[None, :] & row_ok[:, None], m_i, l_i, acc,
+                                     scale_log2, d < D, D, D, True, "tf32")
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+def pf_decode(q, k_cache, v_cache, tables, seq_lens, scale, block_n, warps, stages, dist):
+    """The shipped single-token tile loop with L2 bulk prefetch of blocks `dist` tiles ahead."""
+    num_tokens, num_heads, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    out = torch.empty_like(q)
+    group = num_heads // kvh
+    _pf_decode_kernel[(kvh, tables.shape[0])](
+        out, q, k_cache, v_cache, tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], tables.stride(0),
+        GROUP=group, M=max(16, triton.next_power_of_2(group)), D=d, BLOCK_SIZE=bs, BLOCK_N=block_n, DIST=dist,
+        num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def paged_batch(lens, heads, kv_heads, d, bs, device):
+    per_seq = [-(-n // bs) for n in lens]
+    pool = torch.randperm(sum(per_seq), device=device).int()
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device=device)
+    used = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = pool[used:used + n]
+        used += n
+    k_cache, v_cache = (reference.kv_cache_empty(sum(per_seq), bs, kv_heads, d, head_major=True,
+                                                 dtype=torch.bfloat16, device=device) for _ in range(2))
+    k_cache.normal_()
+    v_cache.normal_()
+    q = torch.randn(len(lens), heads, d, dtype=torch.bfloat16, device=device)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, tables, seq_lens, qsl
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    rows: list[dict] = []
+
+    def time_ms(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+
+    def rel(a, b) -> float:
+        return math.inf if a.isnan().any() else ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    b, ctx, heads, kvh, d = 64, 2048, 32, 8, 128
+    kv_bytes = 2 * b * ctx * kvh * d * 2
+    scale = d ** -0.5
+    variants = [("shipped default", None)]
+    for tiles, warps, stages in ((1, 2, 3), (1, 2, 4), (1, 2, 6), (1, 4, 4), (1, 1, 4), (2, 2, 3), (2, 4, 3),
+                                 (4, 2, 2), (4, 4, 2), (4, 4, 3)):
+        variants.append((f"tma tiles={tiles} warps={warps} stages={stages}",
+                         partial(tma_decode, tiles=tiles, warps=warps, stages=stages)))
+    for block_n, warps, stages, dist in ((64, 2, 2, 1), (64, 2, 2, 2), (64, 2, 2, 4), (32, 2, 3, 2), (64, 4, 2, 2)):
+        variants.append((f"l2-prefetch block_n={block_n} warps={warps} stages={stages} dist={dist}",
+                         partial(pf_decode, block_n=block_n, warps=warps, stages=stages, dist=dist)))
+
+    def shipped(q, k, v, t, s, sc, qsl):
+        return paged_attention_with(q, k, v, t, s, qsl, sc, max_query_len=1, decode=DecodeConfig())
+
+    for bs in (16, 64):
+        # correctness on ragged lengths first, then timing on the benchmark case
+        ragged = paged_batch(torch.randint(1, 3000, (24,)).tolist(), heads, kvh, d, bs, dev)
+        ref = reference.paged_attention(*ragged, scale)
+        batch = paged_batch([ctx] * b, heads, kvh, d, bs, dev)
+        q, k_cache, v_cache, tables, seq_lens, qsl = batch
+        for name, fn in variants:
+            try:
+                run = (partial(shipped, *batch[:5], scale, qsl) if fn is None
+                       else partial(fn, *batch[:5], scale))
+                check = (shipped(*ragged[:5], scale, ragged[5]) if fn is None else fn(*ragged[:5], scale))
+                err = rel(check, ref)
+                if err > 2e-2:
+                    print(f"block={bs} {name}: WRONG (rel err {err:.2e})", flush=True)
+                    rows.append({"block": bs, "name": name, "error": f"rel err {err:.2e}"})
+                    continue
+                ms = time_ms(run)
+            except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a result
+                print(f"block={bs} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                traceback.print_exc(limit=2)
+                rows.append({"block": bs, "name": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                continue
+            rows.append({"block": bs, "name": name, "ms": ms, "TBps": kv_bytes / ms / 1e9, "err": err})
+            print(f"block={bs} {name:60s} {ms:.4f} ms {kv_bytes / ms / 1e9:.3f} TB/s err {err:.1e}", flush=True)
+        if bs == 16:
+            kc = k_cache[tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+            vc = v_cache[tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+            qb = q.view(b, heads, 1, d)
+            for rep in range(2):
+                ms = time_ms(partial(F.scaled_dot_product_attention, qb, kc, vc, scale=scale, enable_gqa=True))
+                rows.append({"block": bs, "name": f"peer: SDPA on contiguous KV (#{rep})", "ms": ms})
+                print(f"block={bs} peer: SDPA contiguous #{rep} {ms:.4f} ms", flush=True)
+                ms = time_ms(partial(shipped, *batch[:5], scale, qsl))
+                rows.append({"block": bs, "name": f"shipped default again (#{rep})", "ms": ms})
+                print(f"block={bs} shipped default again #{rep} {ms:.4f} ms", flush=True)
+            del kc, vc
+        del batch, k_cache, v_cache
+    (args.out / "exp_decode_paging.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
