@@ -4,6 +4,8 @@ Not part of the engine. Two ideas are timed against the shipped decode kernel an
 process (B=64 x 2048, 32/8 heads, head dim 128, bf16, head-major cache, random block tables):
 * TMA: one tensor-descriptor load per (cache block, KV head), i.e. one bulk copy of the
   block's contiguous block_size x 256-byte run, TILES blocks per loop iteration.
+* Several KV heads per program: a cache block's adjacent head-major runs read by one program
+  (2 heads: 8 KiB runs, 4 heads: 16 KiB, as long as a 64-token block's run for one head).
 * L2 bulk prefetch: the shipped tile loop, plus `cp.async.bulk.prefetch.L2` of each cache block
   of the tile DIST tiles ahead, so DRAM sees whole 4 KiB runs requested early.
 Each variant is checked against the reference before it is timed; a variant that fails to
@@ -198,6 +200,90 @@ def pf_decode(q, k_cache, v_cache, tables, seq_lens, scale, block_n, warps, stag
     return out
 
 
+@triton.jit
+def _hp_tile(q3, k_ptrs, v_ptrs, n_ok, m_i, l_i, acc, scale_log2, MASKED: tl.constexpr):
+    if MASKED:
+        k = tl.load(k_ptrs, mask=n_ok[None, :, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    s = tl.dot(q3, tl.trans(k, (0, 2, 1))) * scale_log2  # (HP, M, BLOCK_N)
+    if MASKED:
+        s = tl.where(n_ok[None, None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 2))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, :, None])
+    l_i = l_i * alpha + tl.sum(p, 2)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=n_ok[None, :, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _hp_decode_kernel(
+    out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HP: tl.constexpr,
+):
+    """HP KV heads per program, so a cache block's HP adjacent (head-major) runs are read together:
+    one (HP x block_size x 256 B) run instead of HP runs read by different programs."""
+    kvh0 = tl.program_id(0) * HP
+    seq = tl.program_id(1)
+    ctx = tl.load(seq_lens_ptr + seq)
+    h = tl.arange(0, HP)
+    rows = tl.arange(0, M)
+    row_ok = rows < GROUP
+    heads = (kvh0 + h)[:, None] * GROUP + rows[None, :]  # (HP, M)
+    d = tl.arange(0, D)
+    q_off = seq * stride_qt + heads[:, :, None] * stride_qh + d[None, None, :]
+    q3 = tl.load(q_ptr + q_off, mask=row_ok[None, :, None], other=0.0)
+    table = tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = (kvh0 + h)[:, None, None] * stride_kh
+    v_head = (kvh0 + h)[:, None, None] * stride_vh
+    m_i = tl.full([HP, M], float("-inf"), tl.float32)
+    l_i = tl.zeros([HP, M], tl.float32)
+    acc = tl.zeros([HP, M, D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    full_hi = ctx // BLOCK_N * BLOCK_N
+    for start in range(0, full_hi, BLOCK_N):
+        n = start + offs_n
+        block = tl.load(table + n // BLOCK_SIZE).to(tl.int64)
+        slot = n % BLOCK_SIZE
+        k_ptrs = k_ptr + k_head + (block * stride_kb + slot * stride_ks)[None, :, None] + d[None, None, :]
+        v_ptrs = v_ptr + v_head + (block * stride_vb + slot * stride_vs)[None, :, None] + d[None, None, :]
+        m_i, l_i, acc = _hp_tile(q3, k_ptrs, v_ptrs, n, m_i, l_i, acc, scale_log2, False)
+    for start in range(full_hi, ctx, BLOCK_N):
+        n = start + offs_n
+        n_ok = n < ctx
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = n % BLOCK_SIZE
+        k_ptrs = k_ptr + k_head + (block * stride_kb + slot * stride_ks)[None, :, None] + d[None, None, :]
+        v_ptrs = v_ptr + v_head + (block * stride_vb + slot * stride_vs)[None, :, None] + d[None, None, :]
+        m_i, l_i, acc = _hp_tile(q3, k_ptrs, v_ptrs, n_ok, m_i, l_i, acc, scale_log2, True)
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, :, None]
+    out_off = seq * stride_ot + heads[:, :, None] * stride_oh + d[None, None, :]
+    tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[None, :, None])
+
+
+def hp_decode(q, k_cache, v_cache, tables, seq_lens, scale, heads_per_program, block_n, warps, stages):
+    """Single-token decode with several KV heads per program (a batched tl.dot over the heads)."""
+    num_tokens, num_heads, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    out = torch.empty_like(q)
+    group = num_heads // kvh
+    _hp_decode_kernel[(kvh // heads_per_program, tables.shape[0])](
+        out, q, k_cache, v_cache, tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], tables.stride(0),
+        GROUP=group, M=max(16, triton.next_power_of_2(group)), D=d, BLOCK_SIZE=bs, BLOCK_N=block_n,
+        HP=heads_per_program, num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
 def paged_batch(lens, heads, kv_heads, d, bs, device):
     per_seq = [-(-n // bs) for n in lens]
     pool = torch.randperm(sum(per_seq), device=device).int()
@@ -240,6 +326,11 @@ def main() -> None:
                                  (4, 2, 2), (4, 4, 2), (4, 4, 3)):
         variants.append((f"tma tiles={tiles} warps={warps} stages={stages}",
                          partial(tma_decode, tiles=tiles, warps=warps, stages=stages)))
+    # (compiled offline for sm_90: 64- and 32-token tiles with 2 heads spill registers at 4 warps)
+    for hp, block_n, warps, stages in ((2, 16, 4, 3), (2, 16, 2, 3), (2, 32, 4, 2), (2, 32, 8, 2), (4, 16, 8, 2),
+                                       (4, 16, 4, 3), (8, 16, 8, 2)):
+        variants.append((f"heads/program={hp} block_n={block_n} warps={warps} stages={stages}",
+                         partial(hp_decode, heads_per_program=hp, block_n=block_n, warps=warps, stages=stages)))
     for block_n, warps, stages, dist in ((64, 2, 2, 1), (64, 2, 2, 2), (64, 2, 2, 4), (32, 2, 3, 2), (64, 4, 2, 2)):
         variants.append((f"l2-prefetch block_n={block_n} warps={warps} stages={stages} dist={dist}",
                          partial(pf_decode, block_n=block_n, warps=warps, stages=stages, dist=dist)))
