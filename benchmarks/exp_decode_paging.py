@@ -64,6 +64,7 @@ def _tma_decode_kernel(
     out_ptr, q_ptr, k_desc, v_desc, tables_ptr, seq_lens_ptr, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILES: tl.constexpr,
+    IDS_AHEAD: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     seq = tl.program_id(1)
@@ -79,19 +80,36 @@ def _tma_decode_kernel(
     acc = tl.zeros([M, D], tl.float32)
     offs = tl.arange(0, BS)
     full = ctx // (BS * TILES) * TILES  # blocks covered by whole iterations
+    if IDS_AHEAD:  # the block ids of the first iteration (0 past the end: block 0 exists)
+        n0 = tl.load(table, mask=full > 0, other=0)
+        n1 = tl.load(table + 1, mask=TILES >= 2 and full > 1, other=0)
+        n2 = tl.load(table + 2, mask=TILES >= 4 and full > 2, other=0)
+        n3 = tl.load(table + 3, mask=TILES >= 4 and full > 3, other=0)
     for b in range(0, full, TILES):
-        b0 = tl.load(table + b)
+        if IDS_AHEAD:
+            # this iteration's ids came from the previous one, so its TMA loads depend on no
+            # load of their own iteration and the pipeliner can buffer them num_stages deep
+            b0, b1, b2, b3 = n0, n1, n2, n3
+            more = b + TILES < full
+            n0 = tl.load(table + b + TILES, mask=more, other=0)
+            if TILES >= 2:
+                n1 = tl.load(table + b + TILES + 1, mask=more, other=0)
+            if TILES >= 4:
+                n2 = tl.load(table + b + TILES + 2, mask=more, other=0)
+                n3 = tl.load(table + b + TILES + 3, mask=more, other=0)
+        else:
+            b0 = tl.load(table + b)
+            b1 = tl.load(table + b + 1, mask=TILES >= 2, other=0)
+            b2 = tl.load(table + b + 2, mask=TILES >= 4, other=0)
+            b3 = tl.load(table + b + 3, mask=TILES >= 4, other=0)
         k0 = _load_block(k_desc, b0, kvh, BS, D)
         v0 = _load_block(v_desc, b0, kvh, BS, D)
         m_i, l_i, acc = _softmax_step(q, k0, v0, offs, m_i, l_i, acc, scale_log2, False)
         if TILES >= 2:
-            b1 = tl.load(table + b + 1)
             k1 = _load_block(k_desc, b1, kvh, BS, D)
             v1 = _load_block(v_desc, b1, kvh, BS, D)
             m_i, l_i, acc = _softmax_step(q, k1, v1, offs, m_i, l_i, acc, scale_log2, False)
         if TILES >= 4:
-            b2 = tl.load(table + b + 2)
-            b3 = tl.load(table + b + 3)
             k2 = _load_block(k_desc, b2, kvh, BS, D)
             v2 = _load_block(v_desc, b2, kvh, BS, D)
             k3 = _load_block(k_desc, b3, kvh, BS, D)
@@ -108,7 +126,7 @@ def _tma_decode_kernel(
              mask=row_ok[:, None])
 
 
-def tma_decode(q, k_cache, v_cache, tables, seq_lens, scale, tiles, warps, stages):
+def tma_decode(q, k_cache, v_cache, tables, seq_lens, scale, tiles, warps, stages, ids_ahead=False):
     """Single-token decode through per-block TMA loads; the caches must be head-major views."""
     num_tokens, num_heads, d = q.shape
     _, bs, kvh, _ = k_cache.shape
@@ -118,7 +136,7 @@ def tma_decode(q, k_cache, v_cache, tables, seq_lens, scale, tiles, warps, stage
     _tma_decode_kernel[(kvh, tables.shape[0])](
         out, q, *descs, tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         tables.stride(0), GROUP=group, M=max(16, triton.next_power_of_2(group)), D=d, BS=bs, TILES=tiles,
-        num_warps=warps, num_stages=stages,
+        IDS_AHEAD=ids_ahead, num_warps=warps, num_stages=stages,
     )
     return out
 
