@@ -137,6 +137,70 @@ def tma_decode(q, k_cache, v_cache, tables, seq_lens, scale, tiles, warps, stage
     return out
 
 
+@triton.jit
+def _tma_heads_kernel(
+    out_ptr, q_ptr, k_desc, v_desc, tables_ptr, seq_lens_ptr, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HP: tl.constexpr,
+    IDS_AHEAD: tl.constexpr,
+):
+    """HP adjacent KV heads per program: one TMA box per cache block covers their head-major runs,
+    (HP x block_size x 256 B) contiguous. Rows are the HP x GROUP query heads (GQA packing over
+    several KV heads), columns HP x block_size keys; a row scores only its own KV head's keys, so
+    the product is block-diagonal and costs what the padded single-head tile costs."""
+    kvh0 = tl.program_id(0) * HP
+    seq = tl.program_id(1)
+    ctx = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, M)
+    row_ok = rows < HP * GROUP
+    heads = kvh0 * GROUP + rows
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    table = tables_ptr + seq.to(tl.int64) * stride_bt
+    cols = tl.arange(0, HP * BS)
+    own = (rows // GROUP)[:, None] == (cols // BS)[None, :]
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    nblocks = tl.cdiv(ctx, BS)
+    nxt = tl.load(table, mask=nblocks > 0, other=0)
+    for b in range(0, nblocks):
+        if IDS_AHEAD:
+            blk = nxt
+            nxt = tl.load(table + b + 1, mask=b + 1 < nblocks, other=0)
+        else:
+            blk = tl.load(table + b)
+        k = k_desc.load([blk, kvh0, 0, 0]).reshape(HP * BS, D)
+        v = v_desc.load([blk, kvh0, 0, 0]).reshape(HP * BS, D)
+        keep = own & (b * BS + cols % BS < ctx)[None, :]
+        s = tl.where(keep, tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.where((b * BS + cols % BS < ctx)[:, None], v, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+def tma_heads_decode(q, k_cache, v_cache, tables, seq_lens, scale, heads_per_program, warps, stages, ids_ahead):
+    num_tokens, num_heads, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    hp = heads_per_program
+    descs = [TensorDescriptor.from_tensor(c.transpose(1, 2), [1, hp, bs, d]) for c in (k_cache, v_cache)]
+    out = torch.empty_like(q)
+    group = num_heads // kvh
+    _tma_heads_kernel[(kvh // hp, tables.shape[0])](
+        out, q, *descs, tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        tables.stride(0), GROUP=group, M=max(16, triton.next_power_of_2(hp * group)), D=d, BS=bs, HP=hp,
+        IDS_AHEAD=ids_ahead, num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
 def paged_batch(lens, heads, kv_heads, d, bs, device):
     per_seq = [-(-n // bs) for n in lens]
     pool = torch.randperm(sum(per_seq), device=device).int()
@@ -156,9 +220,9 @@ def paged_batch(lens, heads, kv_heads, d, bs, device):
 
 
 # the other block sizes TMA can serve (tl.dot needs 16 keys, so not 8): a few configs each
-AT_LARGER_BLOCKS = {"shipped default", "tma tiles=1 warps=2 stages=4 ids_ahead=True",
-                    "tma tiles=1 warps=2 stages=3 ids_ahead=True", "tma tiles=1 warps=2 stages=6 ids_ahead=True",
-                    "tma tiles=2 warps=2 stages=3 ids_ahead=True"}
+AT_LARGER_BLOCKS = {"shipped default", "tma heads/program=2 warps=4 stages=3 ids_ahead=True",
+                    "tma heads/program=4 warps=4 stages=2 ids_ahead=True",
+                    "tma heads/program=4 warps=4 stages=3 ids_ahead=True"}
 
 
 def main() -> None:
@@ -181,11 +245,15 @@ def main() -> None:
     kv_bytes = 2 * b * ctx * kvh * d * 2
     scale = d ** -0.5
     variants = [("shipped default", None)]
-    for tiles, warps, stages, ahead in ((1, 2, 6, False), (1, 2, 3, True), (1, 2, 4, True), (1, 2, 5, True),
-                                        (1, 2, 6, True), (1, 1, 4, True), (1, 1, 6, True), (2, 2, 3, True),
-                                        (2, 2, 4, True), (4, 2, 2, True), (4, 2, 3, True)):
+    # single-head TMA: the call at a29b222 timed 11 configs; these two were its best
+    for tiles, warps, stages, ahead in ((1, 1, 4, True), (1, 2, 4, True)):
         variants.append((f"tma tiles={tiles} warps={warps} stages={stages} ids_ahead={ahead}",
                          partial(tma_decode, tiles=tiles, warps=warps, stages=stages, ids_ahead=ahead)))
+    for hp, warps, stages, ahead in ((2, 2, 3, True), (2, 4, 3, True), (2, 4, 4, True), (4, 4, 2, True),
+                                     (4, 4, 3, True), (4, 4, 4, True), (4, 8, 3, True), (4, 4, 3, False),
+                                     (4, 4, 5, False), (8, 8, 2, True), (8, 8, 3, True)):
+        variants.append((f"tma heads/program={hp} warps={warps} stages={stages} ids_ahead={ahead}",
+                         partial(tma_heads_decode, heads_per_program=hp, warps=warps, stages=stages, ids_ahead=ahead)))
 
     def shipped(q, k, v, t, s, sc, qsl):
         return paged_attention_with(q, k, v, t, s, qsl, sc, max_query_len=1, decode=DecodeConfig())
