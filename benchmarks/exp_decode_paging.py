@@ -32,6 +32,8 @@ from kvpilot.kernels import reference
 from kvpilot.kernels.paged_attention import (
     LOG2E,
     DecodeConfig,
+    _block_ids,
+    _tile_ptrs,
     paged_attention_with,
 )
 
@@ -201,6 +203,35 @@ def tma_heads_decode(q, k_cache, v_cache, tables, seq_lens, scale, heads_per_pro
     return out
 
 
+@triton.jit
+def _read_kernel(out_ptr, k_ptr, v_ptr, tables_ptr, ctx, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                 stride_vh, stride_bt, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The decode kernel's K/V reads with no attention math: a column sum of every tile (a control:
+    how fast can this access pattern be streamed at all?)."""
+    kvh = tl.program_id(0)
+    seq = tl.program_id(1)
+    table = tables_ptr + seq.to(tl.int64) * stride_bt
+    d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([D], tl.float32)
+    for start in range(0, ctx, BLOCK_N):
+        n = start + offs_n
+        block = _block_ids(table, n, n, BLOCK_SIZE, False)
+        k_ptrs, v_ptrs = _tile_ptrs(k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, block, n, d, stride_kb,
+                                    stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
+        acc += tl.sum(tl.load(k_ptrs).to(tl.float32), 0) + tl.sum(tl.load(v_ptrs).to(tl.float32), 0)
+    tl.store(out_ptr + (seq * tl.num_programs(0) + kvh) * D + d, acc)
+
+
+def read_only(k_cache, v_cache, tables, ctx, block_n, warps, stages):
+    _, bs, kvh, d = k_cache.shape
+    out = torch.empty(tables.shape[0], kvh, d, dtype=torch.float32, device=k_cache.device)
+    _read_kernel[(kvh, tables.shape[0])](out, k_cache, v_cache, tables, ctx, *k_cache.stride()[:3],
+                                         *v_cache.stride()[:3], tables.stride(0), D=d, BLOCK_SIZE=bs,
+                                         BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    return out
+
+
 def paged_batch(lens, heads, kv_heads, d, bs, device):
     per_seq = [-(-n // bs) for n in lens]
     pool = torch.randperm(sum(per_seq), device=device).int()
@@ -301,6 +332,23 @@ def main() -> None:
                 print(f"block={bs} shipped default again #{rep} {ms:.4f} ms", flush=True)
             del kc, vc
         del batch, k_cache, v_cache
+    # control: the same reads without the attention math, random and sequential block tables
+    for bs in (16, 64):
+        batch = paged_batch([ctx] * b, heads, kvh, d, bs, dev)
+        _, k_cache, v_cache, tables, _, _ = batch
+        sequential = torch.arange(tables.numel(), dtype=torch.int32, device=dev).view_as(tables)
+        want = (k_cache.float().sum(1) + v_cache.float().sum(1))[tables.long()].sum(1)  # (b, kvh, d)
+        for block_n, warps, stages in ((64, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3)):
+            for order, tab in (("random", tables), ("sequential", sequential)):
+                name = f"read-only {order} tables block_n={block_n} warps={warps} stages={stages}"
+                got = read_only(k_cache, v_cache, tab, ctx, block_n, warps, stages)
+                if order == "random" and rel(got, want) > 1e-3:
+                    print(f"block={bs} {name}: WRONG", flush=True)
+                    continue
+                ms = time_ms(partial(read_only, k_cache, v_cache, tab, ctx, block_n, warps, stages))
+                rows.append({"block": bs, "name": name, "ms": ms, "TBps": kv_bytes / ms / 1e9})
+                print(f"block={bs} {name:60s} {ms:.4f} ms {kv_bytes / ms / 1e9:.3f} TB/s", flush=True)
+        del batch, k_cache, v_cache, sequential
     (args.out / "exp_decode_paging.json").write_text(json.dumps(rows, indent=1))
 
 
