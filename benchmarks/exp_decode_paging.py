@@ -4,7 +4,7 @@ Not part of the engine. Timed against the shipped decode kernel and SDPA in one 
 2048, 32/8 heads, head dim 128, bf16, head-major cache, random block tables): TMA, one
 tensor-descriptor load per (cache block, KV head), i.e. one bulk copy of the block's contiguous
 block_size x 256-byte run, TILES blocks per loop iteration, block ids loaded an iteration ahead
-(IDS_AHEAD) or not. Two other ideas were timed at 7c62a05 and dropped (both slower than the shipped
+(IDS_AHEAD) or not. Two other ideas were timed at d1e0178 and dropped (both slower than the shipped
 kernel, see benchmarks/RESULTS.md): several KV heads per program, and an L2 bulk prefetch of the
 blocks a few tiles ahead.
 Each variant is checked against the reference before it is timed; a variant that fails to
@@ -346,7 +346,7 @@ def main() -> None:
             del kc, vc
         del batch, k_cache, v_cache
     # control: the same reads without the attention math, random and sequential block tables
-    # (at 3e0a4c8 a pointer-load version ran 0.17-0.27 ms: loads that feed no tl.dot are not
+    # (at fb6e7fc a pointer-load version ran 0.17-0.27 ms: loads that feed no tl.dot are not
     # pipelined, so it measured latency, not the access pattern)
     for bs in (16, 64):
         batch = paged_batch([ctx] * b, heads, kvh, d, bs, dev)
