@@ -1,15 +1,20 @@
 """Experiments on the last gap of issue 5: block-16 paged decode against SDPA on contiguous KV.
 
 Not part of the engine. Timed against the shipped decode kernel and SDPA in one process (B=64 x
-2048, 32/8 heads, head dim 128, bf16, head-major cache, random block tables): TMA, one
-tensor-descriptor load per (cache block, KV head), i.e. one bulk copy of the block's contiguous
-block_size x 256-byte run, TILES blocks per loop iteration, block ids loaded an iteration ahead
-(IDS_AHEAD) or not. Two other ideas were timed at d1e0178 and dropped (both slower than the shipped
-kernel, see benchmarks/RESULTS.md): several KV heads per program, and an L2 bulk prefetch of the
-blocks a few tiles ahead.
+2048, 32/8 heads, head dim 128, bf16, head-major cache, random block tables):
+* `_tma_decode_kernel`: one tensor-descriptor (TMA) load per (cache block, KV head), i.e. one bulk
+  copy of the block's contiguous block_size x 256-byte run, TILES blocks per loop iteration, block
+  ids loaded an iteration ahead (IDS_AHEAD) or not.
+* `_tma_heads_kernel`: one TMA box over HP adjacent KV heads of a block (HP x 4 KiB contiguous at
+  block 16), the HP x GROUP query heads as the rows of one block-diagonal tile.
+* `_read_kernel`: a control, the same TMA reads without the attention math, on random and on
+  sequential block tables: how fast the access pattern streams at all.
+Two other ideas were timed at d1e0178 and dropped (both slower than the shipped kernel, see
+benchmarks/RESULTS.md): several KV heads per program with pointer loads, and an L2 bulk prefetch
+of the blocks a few tiles ahead.
 Each variant is checked against the reference before it is timed; a variant that fails to
 compile or differs is reported and skipped.
-    python benchmarks/exp_decode_paging.py [--out DIR]
+    python benchmarks/exp_decode_paging.py [--out DIR] [--control-only]
 """
 
 from __future__ import annotations
