@@ -48,6 +48,13 @@ def merge_section(section: str, path: Path = RESULTS) -> None:
     path.write_text(text.rstrip() + "\n")
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error of a against b (inf when a holds a NaN)."""
+    if a.isnan().any():
+        return math.inf
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
 def gather_then_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      tables: torch.Tensor, scale: float) -> torch.Tensor:
     """The naive peer: gather each sequence's blocks into contiguous K/V, then SDPA."""
@@ -127,11 +134,6 @@ class Bench:
     # ---------------------------------------------------------------- correctness
     def check_correctness(self) -> None:
         from kvpilot.kernels import reference, triton_ops
-
-        def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-            if a.isnan().any():
-                return math.inf
-            return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
         worst = 0.0
         for block_size in (8, 16, 32, 64):

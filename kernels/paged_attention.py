@@ -52,9 +52,10 @@ MAX_HEAD_DIM = 128
 # Defaults picked on an H200 by `benchmarks/bench_kernels.py --sweep` and scratch sweeps of the same
 # case (see benchmarks/RESULTS.md). Decode B=64 x 2048, block 16, the single-token kernel (the
 # engine passes max_query_len), in the sweep at 9ea48be: (64, 2, 2) 0.1353 ms, (64, 4, 2) 0.1358,
-# (128, 4, 2) 0.1550, SDPA on contiguous KV 0.1348 in the same run. The MULTI kernel (no max_query_len) compiles differently:
-# (128, 4, 2) 0.139 ms but (64, 4, 2) 0.148, hence its own default. What decides it is how many
-# programs fit per SM, set by registers and shared memory (`benchmarks/compile_probe.py`). Loading
+# (128, 4, 2) 0.1550, SDPA on contiguous KV 0.1348 in the same run. The MULTI kernel (no
+# max_query_len) compiles differently: (128, 4, 2) 0.139 ms but (64, 4, 2) 0.148, hence its own
+# default. What decides it is how many programs fit per SM, set by registers and shared memory
+# (`benchmarks/compile_probe.py`). Loading
 # block ids a tile ahead (prefetch) changes nothing measurable in decode (32-token tiles, 2 warps,
 # 3 stages: 0.1352 ms) but lets prefill keep 2 K/V buffers in flight: 8 x 1024 prefill 0.2646 ms
 # with (64, 64, 4, 3) + prefetch against 0.2861 without (SDPA flash 0.2772), chunked prefill 0.7968
