@@ -135,36 +135,43 @@ def tma_decode(q, k_cache, v_cache, tables, seq_lens, scale, heads_per_program, 
 
 
 @triton.jit
-def _read_kernel(out_ptr, k_desc, v_desc, tables_ptr, ctx, stride_bt, D: tl.constexpr, BS: tl.constexpr):
-    """A control with no attention math: the same per-block TMA reads as _tma_decode_kernel (one KV
-    head, block ids an iteration ahead), reduced to column sums. How fast can this access pattern
-    be streamed at all? The sums go through tl.dot with a ones matrix: summed with tl.sum, the
-    tiles compile to one shared-memory buffer at any num_stages (loads that feed no tl.dot are not
-    pipelined), and the control would measure latency instead."""
-    kvh = tl.program_id(0)
+def _read_kernel(out_ptr, k_desc, v_desc, tables_ptr, ctx, stride_bt, D: tl.constexpr, BS: tl.constexpr,
+                 HP: tl.constexpr, SPLITS: tl.constexpr):
+    """A control with no attention math: the same per-block TMA reads as _tma_decode_kernel (a box of
+    HP adjacent KV heads, block ids an iteration ahead), reduced to column sums. How fast can this
+    access pattern be streamed at all? SPLITS slices of the context per program keep the grid at
+    512 programs when HP > 1 (then a program reads HP x 4 KiB contiguous per block at block 16).
+    The sums go through tl.dot with a ones matrix: summed with tl.sum, the tiles compile to one
+    shared-memory buffer at any num_stages (loads that feed no tl.dot are not pipelined), and the
+    control would measure latency instead."""
+    kvh = (tl.program_id(0) // SPLITS) * HP
+    part = tl.program_id(0) % SPLITS
     seq = tl.program_id(1)
     table = tables_ptr + seq.to(tl.int64) * stride_bt
-    nblocks = ctx // BS
-    nxt = tl.load(table)
+    per = ctx // BS // SPLITS
+    first = part * per
+    nxt = tl.load(table + first)
     acc = tl.zeros([16, D], tl.float32)
-    ones = tl.full([16, BS], 1.0, tl.float32).to(k_desc.dtype)
-    for b in range(0, nblocks):
+    ones = tl.full([16, HP * BS], 1.0, tl.float32).to(k_desc.dtype)
+    for b in range(first, first + per):
         blk = nxt
-        nxt = tl.load(table + b + 1, mask=b + 1 < nblocks, other=0)
-        acc = tl.dot(ones, _load_block(k_desc, blk, kvh, BS, D), acc)
-        acc = tl.dot(ones, _load_block(v_desc, blk, kvh, BS, D), acc)
+        nxt = tl.load(table + b + 1, mask=b + 1 < first + per, other=0)
+        acc = tl.dot(ones, _load_block(k_desc, blk, kvh, HP * BS, D), acc)
+        acc = tl.dot(ones, _load_block(v_desc, blk, kvh, HP * BS, D), acc)
     d = tl.arange(0, D)
-    tl.store(out_ptr + (seq * tl.num_programs(0) + kvh) * D + d, tl.sum(acc, 0) / 16)
+    tl.store(out_ptr + (seq * tl.num_programs(0) + tl.program_id(0)) * D + d, tl.sum(acc, 0) / 16)
 
 
-def read_only(k_cache, v_cache, tables, ctx, warps, stages):
-    """Per (sequence, KV head): the sum over the first ctx positions of K and V, (num_seqs, kvh, d)."""
+def read_only(k_cache, v_cache, tables, ctx, warps, stages, heads_per_box=1, splits=1):
+    """Per (sequence, group of heads_per_box KV heads): the sum over the first ctx positions of K
+    and V, (num_seqs, kvh // heads_per_box, d). ctx // block_size must divide by splits."""
     _, bs, kvh, d = k_cache.shape
-    descs = [TensorDescriptor.from_tensor(c.transpose(1, 2), [1, 1, bs, d]) for c in (k_cache, v_cache)]
-    out = torch.empty(tables.shape[0], kvh, d, dtype=torch.float32, device=k_cache.device)
-    _read_kernel[(kvh, tables.shape[0])](out, *descs, tables, ctx, tables.stride(0), D=d, BS=bs,
-                                         num_warps=warps, num_stages=stages)
-    return out
+    hp = heads_per_box
+    descs = [TensorDescriptor.from_tensor(c.transpose(1, 2), [1, hp, bs, d]) for c in (k_cache, v_cache)]
+    out = torch.empty(tables.shape[0], kvh // hp, splits, d, dtype=torch.float32, device=k_cache.device)
+    _read_kernel[(kvh // hp * splits, tables.shape[0])](out, *descs, tables, ctx, tables.stride(0), D=d, BS=bs,
+                                                        HP=hp, SPLITS=splits, num_warps=warps, num_stages=stages)
+    return out.sum(2)
 
 
 # the other block sizes TMA can serve (tl.dot needs 16 keys, so not 8): a few configs each
@@ -173,6 +180,10 @@ AT_LARGER_BLOCKS = {"shipped default", "tma heads/program=2 warps=4 stages=3 ids
                     "tma heads/program=4 warps=4 stages=3 ids_ahead=True"}
 # (heads/program, warps, stages, block ids ahead); the call at a29b222 timed 11 single-head configs
 # (then with up to 4 blocks per iteration) and these two were its best
+# the read-only control: (KV heads per box, context slices per program, warps, stages); slices keep
+# 512 programs when a box spans several heads
+CONTROL_CONFIGS = ((1, 1, 1, 3), (1, 1, 1, 4), (1, 1, 2, 4), (1, 1, 2, 6), (1, 1, 4, 4), (2, 2, 2, 4), (2, 2, 4, 4),
+                   (4, 4, 4, 3), (4, 4, 4, 4), (8, 8, 4, 2), (8, 8, 8, 2), (8, 8, 4, 3))
 TMA_CONFIGS = ((1, 1, 4, True), (1, 2, 4, True), (2, 2, 3, True), (2, 4, 3, True), (2, 4, 4, True), (4, 4, 2, True),
                (4, 4, 3, True), (4, 4, 4, True), (4, 8, 3, True), (4, 4, 3, False), (4, 4, 5, False), (8, 8, 2, True),
                (8, 8, 3, True))
@@ -243,14 +254,22 @@ def main() -> None:
         _, k_cache, v_cache, tables, _, _ = bench.paged_batch([(ctx, 1)] * b, heads, kvh, d, bs)
         sequential = torch.arange(tables.numel(), dtype=torch.int32, device=tables.device).view_as(tables)
         want = (k_cache.float().sum(1) + v_cache.float().sum(1))[tables.long()].sum(1)  # (b, kvh, d)
-        for warps, stages in ((1, 3), (1, 4), (2, 4), (2, 6), (4, 4)):
+        for hp, splits, warps, stages in CONTROL_CONFIGS:
+            if hp * bs * d * 2 * 2 * stages > 200 * 1024 or (ctx // bs) % splits:
+                continue  # K and V boxes, stages deep, must fit in shared memory
             for order, tab in (("random", tables), ("sequential", sequential)):
-                name = f"read-only {order} tables warps={warps} stages={stages}"
-                got = read_only(k_cache, v_cache, tab, ctx, warps, stages)
-                if order == "random" and rel(got, want) > 1e-2:
-                    print(f"block={bs} {name}: WRONG ({rel(got, want):.1e})", flush=True)
-                    continue
-                record(bs, name, bench.time_ms(partial(read_only, k_cache, v_cache, tab, ctx, warps, stages)))
+                name = f"read-only {order} tables heads/box={hp} splits={splits} warps={warps} stages={stages}"
+                run = partial(read_only, k_cache, v_cache, tab, ctx, warps, stages, hp, splits)
+                try:
+                    got = run()
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result
+                    print(f"block={bs} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    break
+                err = rel(got, want.view(b, kvh // hp, hp, d).sum(2))
+                if order == "random" and err > 1e-2:
+                    print(f"block={bs} {name}: WRONG ({err:.1e})", flush=True)
+                    break
+                record(bs, name, bench.time_ms(run))
         del k_cache, v_cache, tables, sequential
     (args.out / "exp_decode_paging.json").write_text(json.dumps(rows, indent=1))
 
