@@ -180,13 +180,13 @@ AT_LARGER_BLOCKS = {"shipped default", "tma heads/program=2 warps=4 stages=3 ids
                     "tma heads/program=4 warps=4 stages=3 ids_ahead=True"}
 # (heads/program, warps, stages, block ids ahead); the call at a29b222 timed 11 single-head configs
 # (then with up to 4 blocks per iteration) and these two were its best
+TMA_CONFIGS = ((1, 1, 4, True), (1, 2, 4, True), (2, 2, 3, True), (2, 4, 3, True), (2, 4, 4, True), (4, 4, 2, True),
+               (4, 4, 3, True), (4, 4, 4, True), (4, 8, 3, True), (4, 4, 3, False), (4, 4, 5, False), (8, 8, 2, True),
+               (8, 8, 3, True))
 # the read-only control: (KV heads per box, context slices per program, warps, stages); slices keep
 # 512 programs when a box spans several heads
 CONTROL_CONFIGS = ((1, 1, 1, 3), (1, 1, 1, 4), (1, 1, 2, 4), (1, 1, 2, 6), (1, 1, 4, 4), (2, 2, 2, 4), (2, 2, 4, 4),
                    (4, 4, 4, 3), (4, 4, 4, 4), (8, 8, 4, 2), (8, 8, 8, 2), (8, 8, 4, 3))
-TMA_CONFIGS = ((1, 1, 4, True), (1, 2, 4, True), (2, 2, 3, True), (2, 4, 3, True), (2, 4, 4, True), (4, 4, 2, True),
-               (4, 4, 3, True), (4, 4, 4, True), (4, 8, 3, True), (4, 4, 3, False), (4, 4, 5, False), (8, 8, 2, True),
-               (8, 8, 3, True))
 
 
 def main() -> None:
