@@ -6,6 +6,8 @@ Not part of the engine. Timed against the shipped decode kernel and SDPA in one 
   contiguous head-major run: one KV head (block_size x 256 B), or HP adjacent KV heads with the
   HP x GROUP query heads as the rows of one block-diagonal tile; block ids loaded an iteration
   ahead (IDS_AHEAD) or not.
+* the same with SPLITS slices of the context per program (merged by the shipped `_reduce_kernel`),
+  so that boxes of several heads keep 512 programs.
 * `_read_kernel`: a control, the same TMA reads without the attention math, on random and on
   sequential block tables: how fast the access pattern streams at all.
 The figures in benchmarks/RESULTS.md come from the code at the commits named there: the
@@ -15,7 +17,7 @@ several KV heads per program with pointer loads, and an L2 bulk prefetch of the 
 tiles ahead.
 Each variant is checked against the reference before it is timed; a variant that fails to
 compile or differs is reported and skipped.
-    python benchmarks/exp_decode_paging.py [--out DIR] [--control-only]
+    python benchmarks/exp_decode_paging.py [--out DIR] [--control-only]   (SDPA, shipped, split variants, control)
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kvpilot.kernels import reference
-from kvpilot.kernels.paged_attention import LOG2E, DecodeConfig, paged_attention_with
+from kvpilot.kernels.paged_attention import (
+    LOG2E,
+    DecodeConfig,
+    _reduce_kernel,
+    paged_attention_with,
+)
 
 # bench_kernels.py sits beside this file; PYTHONSAFEPATH (set by the Makefile and run_on_gpu.sh)
 # keeps a script's folder off sys.path
@@ -68,10 +75,10 @@ def _load_block(desc, blk, kvh, ROWS: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _tma_decode_kernel(
-    out_ptr, q_ptr, k_desc, v_desc, tables_ptr, seq_lens_ptr, scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_desc, v_desc, tables_ptr, seq_lens_ptr, scale_log2,
+    split_blocks, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HP: tl.constexpr,
-    IDS_AHEAD: tl.constexpr,
+    IDS_AHEAD: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """Single-token decode, one TMA box per cache block. The box covers HP adjacent KV heads, whose
     head-major runs are contiguous (HP x block_size x 256 B). Rows are the HP x GROUP query heads
@@ -80,10 +87,18 @@ def _tma_decode_kernel(
     single-head tile costs. IDS_AHEAD loads the next block's id an iteration early, so the TMA
     loads depend on no load of their own iteration and the pipeliner buffers them num_stages deep
     (without it, fewer buffers than num_stages asks: 25 KiB of shared memory against 46 KiB at 6
-    stages, compiled for sm_90)."""
-    kvh0 = tl.program_id(0) * HP
+    stages, compiled for sm_90). With SPLITS > 1 a program takes split_blocks blocks of the
+    context (program id 0 = head group x SPLITS + slice) and writes a partial output and its
+    base-2 log-sum-exp in the layout the shipped _reduce_kernel merges: several heads per box
+    without shrinking the grid."""
+    kvh0 = (tl.program_id(0) // SPLITS) * HP
+    part = tl.program_id(0) % SPLITS
     seq = tl.program_id(1)
     ctx = tl.load(seq_lens_ptr + seq)
+    lo = part * split_blocks
+    hi = tl.minimum(lo + split_blocks, tl.cdiv(ctx, BS))
+    if lo >= hi:
+        return
     rows = tl.arange(0, M)
     row_ok = rows < HP * GROUP
     heads = kvh0 * GROUP + rows
@@ -95,9 +110,9 @@ def _tma_decode_kernel(
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
-    full = ctx // BS  # blocks the whole context fills
-    nxt = tl.load(table, mask=full > 0, other=0)
-    for b in range(0, full):
+    full = tl.minimum(hi, ctx // BS)  # blocks of this slice the whole context fills
+    nxt = tl.load(table + lo, mask=lo < full, other=0)
+    for b in range(lo, full):
         if IDS_AHEAD:
             blk = nxt
             nxt = tl.load(table + b + 1, mask=b + 1 < full, other=0)
@@ -106,7 +121,7 @@ def _tma_decode_kernel(
         k = _load_block(k_desc, blk, kvh0, HP * BS, D)
         v = _load_block(v_desc, blk, kvh0, HP * BS, D)
         m_i, l_i, acc = _softmax_step(q, k, v, own, cols, m_i, l_i, acc, scale_log2, HP > 1, False)
-    for b in range(full, tl.cdiv(ctx, BS)):  # the partly filled last block
+    for b in range(tl.maximum(lo, full), hi):  # the partly filled last block
         blk = tl.load(table + b)
         k = _load_block(k_desc, blk, kvh0, HP * BS, D)
         v = _load_block(v_desc, blk, kvh0, HP * BS, D)
@@ -114,23 +129,40 @@ def _tma_decode_kernel(
         m_i, l_i, acc = _softmax_step(q, k, v, own & key_ok[None, :], key_ok, m_i, l_i, acc, scale_log2,
                                       True, True)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    if SPLITS == 1:
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        at = (seq * (tl.num_programs(0) // SPLITS * HP * GROUP) + heads) * SPLITS + part  # (token, head, slice)
+        tl.store(part_lse_ptr + at, m_i + tl.log2(l_i), mask=row_ok)
+        tl.store(part_out_ptr + at[:, None] * D + d[None, :], o, mask=row_ok[:, None])
 
 
-def tma_decode(q, k_cache, v_cache, tables, seq_lens, scale, heads_per_program, warps, stages, ids_ahead):
-    """Single-token decode through TMA boxes of heads_per_program KV heads (head-major caches)."""
+def tma_decode(q, k_cache, v_cache, tables, seq_lens, scale, heads_per_program, warps, stages, ids_ahead,
+               splits=1):
+    """Single-token decode through TMA boxes of heads_per_program KV heads (head-major caches); with
+    splits > 1 each program takes 1 / splits of the longest context and _reduce_kernel merges."""
     num_tokens, num_heads, d = q.shape
     _, bs, kvh, _ = k_cache.shape
     hp = heads_per_program
     descs = [TensorDescriptor.from_tensor(c.transpose(1, 2), [1, hp, bs, d]) for c in (k_cache, v_cache)]
     out = torch.empty_like(q)
     group = num_heads // kvh
-    _tma_decode_kernel[(kvh // hp, tables.shape[0])](
-        out, q, *descs, tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        tables.stride(0), GROUP=group, M=max(16, triton.next_power_of_2(hp * group)), D=d, BS=bs, HP=hp,
-        IDS_AHEAD=ids_ahead, num_warps=warps, num_stages=stages,
+    split_blocks = -(-tables.shape[1] // splits)
+    part_out = torch.empty(num_tokens, num_heads, splits, d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
+    _tma_decode_kernel[(kvh // hp * splits, tables.shape[0])](
+        out, part_out, part_lse, q, *descs, tables, seq_lens, scale * LOG2E, split_blocks, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), tables.stride(0), GROUP=group, M=max(16, triton.next_power_of_2(hp * group)),
+        D=d, BS=bs, HP=hp, IDS_AHEAD=ids_ahead, SPLITS=splits, num_warps=warps, num_stages=stages,
     )
+    if splits > 1:
+        qsl = torch.arange(num_tokens + 1, dtype=torch.int32, device=q.device)
+        _reduce_kernel[(num_tokens, num_heads)](
+            out, part_out, part_lse, seq_lens, qsl, 0, split_blocks * bs, out.stride(0), out.stride(1),
+            num_heads * splits * d, splits * d, d, HEAD_DIM=d, D_PAD=d, SPLITS_PAD=triton.next_power_of_2(splits),
+            num_warps=4,
+        )
     return out
 
 
@@ -183,6 +215,9 @@ AT_LARGER_BLOCKS = {"shipped default", "tma heads/program=2 warps=4 stages=3 ids
 TMA_CONFIGS = ((1, 1, 4, True), (1, 2, 4, True), (2, 2, 3, True), (2, 4, 3, True), (2, 4, 4, True), (4, 4, 2, True),
                (4, 4, 3, True), (4, 4, 4, True), (4, 8, 3, True), (4, 4, 3, False), (4, 4, 5, False), (8, 8, 2, True),
                (8, 8, 3, True))
+# several KV heads per box with the context sliced so the grid stays at 512 programs: (heads/program,
+# slices, warps, stages)
+SPLIT_CONFIGS = ((2, 2, 2, 3), (2, 2, 4, 3), (4, 4, 4, 2), (4, 4, 4, 3), (8, 8, 4, 2), (8, 8, 8, 2), (8, 4, 8, 2))
 # the read-only control: (KV heads per box, context slices per program, warps, stages); slices keep
 # 512 programs when a box spans several heads
 CONTROL_CONFIGS = ((1, 1, 1, 3), (1, 1, 1, 4), (1, 1, 2, 4), (1, 1, 2, 6), (1, 1, 4, 4), (2, 2, 2, 4), (2, 2, 4, 4),
@@ -192,7 +227,7 @@ CONTROL_CONFIGS = ((1, 1, 1, 3), (1, 1, 1, 4), (1, 1, 2, 4), (1, 1, 2, 6), (1, 1
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--control-only", action="store_true", help="only SDPA, the shipped kernel and the control")
+    parser.add_argument("--control-only", action="store_true", help="only SDPA, the shipped kernel, the split variants and the control")
     args = parser.parse_args()
     bench = Bench(args.out, "exp", sweep=False)  # its random batches, contiguous copies and timer
     rows: list[dict] = []
@@ -204,6 +239,10 @@ def main() -> None:
         name = (f"tma heads/program={hp} warps={warps} stages={stages} ids_ahead={ahead}" if hp > 1
                 else f"tma warps={warps} stages={stages} ids_ahead={ahead}")
         variants.append((name, partial(tma_decode, heads_per_program=hp, warps=warps, stages=stages, ids_ahead=ahead)))
+    for hp, splits, warps, stages in SPLIT_CONFIGS:
+        variants.append((f"tma heads/program={hp} splits={splits} warps={warps} stages={stages}",
+                         partial(tma_decode, heads_per_program=hp, warps=warps, stages=stages, ids_ahead=True,
+                                 splits=splits)))
 
     def shipped(q, k, v, t, s, sc, qsl):
         return paged_attention_with(q, k, v, t, s, qsl, sc, max_query_len=1, decode=DecodeConfig())
@@ -218,7 +257,7 @@ def main() -> None:
         ref = reference.paged_attention(*ragged, scale)
         batch = bench.paged_batch([(ctx, 1)] * b, heads, kvh, d, bs)
         todo = variants if bs == 16 else [v for v in variants if v[0] in AT_LARGER_BLOCKS]
-        for name, fn in todo[:1] if args.control_only else todo:
+        for name, fn in [v for v in todo if v[1] is None or 'splits=' in v[0]] if args.control_only else todo:
             try:
                 run = (partial(shipped, *batch[:5], scale, batch[5]) if fn is None
                        else partial(fn, *batch[:5], scale))
