@@ -9,7 +9,8 @@ Not part of the engine. Timed against the shipped decode kernel and SDPA in one 
 * the same with SPLITS slices of the context per program (merged by the shipped `_reduce_kernel`),
   so that boxes of several heads keep 512 programs.
 * `_read_kernel`: a control, the same TMA reads without the attention math, on random and on
-  sequential block tables: how fast the access pattern streams at all.
+  sequential block tables: how fast the access pattern streams at all; `_read_contiguous_kernel`,
+  the same reads of SDPA's contiguous layout.
 The figures in benchmarks/RESULTS.md come from the code at the commits named there: the
 single-head and several-head TMA kernels were separate then (a29b222 also timed 2 and 4 blocks per
 iteration), and d1e0178 holds two ideas dropped since, both slower than the shipped kernel:
@@ -206,6 +207,28 @@ def read_only(k_cache, v_cache, tables, ctx, warps, stages, heads_per_box=1, spl
     return out.sum(2)
 
 
+@triton.jit
+def _read_contiguous_kernel(out_ptr, k_desc, v_desc, ctx, D: tl.constexpr, BN: tl.constexpr):
+    """The control on SDPA's own layout, (B x KV heads, context, D) contiguous: the same TMA reads
+    and tl.dot sums as _read_kernel, BN tokens per box, one 512 KiB run per (sequence, KV head)."""
+    row = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    acc = tl.zeros([16, D], tl.float32)
+    ones = tl.full([16, BN], 1.0, tl.float32).to(k_desc.dtype)
+    for t in range(0, ctx, BN):
+        acc = tl.dot(ones, k_desc.load([row, t, 0]).reshape(BN, D), acc)
+        acc = tl.dot(ones, v_desc.load([row, t, 0]).reshape(BN, D), acc)
+    tl.store(out_ptr + row * D + tl.arange(0, D), tl.sum(acc, 0) / 16)
+
+
+def read_contiguous(kc, vc, tokens, warps, stages):
+    """Per (sequence, KV head) of (B, KV heads, context, D) K and V: the sum over all positions."""
+    b, kvh, ctx, d = kc.shape
+    descs = [TensorDescriptor.from_tensor(c.view(b * kvh, ctx, d), [1, tokens, d]) for c in (kc, vc)]
+    out = torch.empty(b, kvh, d, dtype=torch.float32, device=kc.device)
+    _read_contiguous_kernel[(kvh, b)](out, *descs, ctx, D=d, BN=tokens, num_warps=warps, num_stages=stages)
+    return out
+
+
 # the other block sizes TMA can serve (tl.dot needs 16 keys, so not 8): a few configs each
 AT_LARGER_BLOCKS = {"shipped default", "tma heads/program=2 warps=4 stages=3 ids_ahead=True",
                     "tma heads/program=4 warps=4 stages=2 ids_ahead=True",
@@ -284,6 +307,19 @@ def main() -> None:
                 record(bs, f"peer: SDPA on contiguous KV (#{rep})",
                        bench.time_ms(partial(F.scaled_dot_product_attention, qb, kc, vc, scale=scale, enable_gqa=True)))
                 record(bs, f"shipped default again (#{rep})", bench.time_ms(partial(shipped, *batch[:5], scale, batch[5])))
+            # the control on SDPA's own contiguous layout, then SDPA again
+            want = kc.float().sum(2) + vc.float().sum(2)
+            for tokens, warps, stages in ((16, 1, 4), (16, 2, 4), (64, 2, 3), (64, 4, 3), (64, 4, 4), (128, 4, 2),
+                                          (128, 4, 3)):
+                run = partial(read_contiguous, kc, vc, tokens, warps, stages)
+                err = rel(run(), want)
+                if err > 1e-2:
+                    print(f"read-only contiguous {tokens}x{warps}x{stages}: WRONG ({err:.1e})", flush=True)
+                    continue
+                record(bs, f"read-only contiguous KV tokens/box={tokens} warps={warps} stages={stages}",
+                       bench.time_ms(run))
+            record(bs, "peer: SDPA on contiguous KV (#2)",
+                   bench.time_ms(partial(F.scaled_dot_product_attention, qb, kc, vc, scale=scale, enable_gqa=True)))
             del kc, vc
         del batch
     # control: the same reads without the attention math, random and sequential block tables
