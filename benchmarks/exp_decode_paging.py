@@ -318,7 +318,11 @@ TMA_CONFIGS = ((1, 1, 4, True), (1, 2, 4, True), (2, 2, 3, True), (2, 4, 3, True
 # slices, warps, stages)
 SPLIT_CONFIGS = ((2, 2, 2, 3), (2, 2, 4, 3), (4, 4, 4, 2), (4, 4, 4, 3), (8, 8, 4, 2), (8, 8, 8, 2), (8, 4, 8, 2))
 # block ids a chunk at a time: (chunk, flatten, warps, stages)
-CHUNK_CONFIGS = tuple((c, f, w, st) for c in (16, 32) for f in (False, True) for w, st in ((1, 4), (2, 3), (2, 4), (4, 4)))
+# (the call at the commit after 2902f36 timed chunks of 16 and 32, flattened or not, 1/2/4 warps,
+# 3/4 stages: flattening ran 0.21-0.25 ms, 1 warp was best)
+CHUNK_CONFIGS = ((32, False, 1, 3), (32, False, 1, 4), (32, False, 1, 5), (32, False, 1, 6), (64, False, 1, 4),
+                 (64, False, 1, 5), (16, False, 1, 5), (32, False, 2, 5), (64, False, 2, 4))
+CHUNK_READ_CONFIGS = ((32, False, 1, 4), (32, False, 2, 4))
 # the read-only control: (KV heads per box, context slices per program, warps, stages); slices keep
 # 512 programs when a box spans several heads
 CONTROL_CONFIGS = ((1, 1, 1, 3), (1, 1, 1, 4), (1, 1, 2, 4), (1, 1, 2, 6), (1, 1, 4, 4), (2, 2, 2, 4), (2, 2, 4, 4),
@@ -333,8 +337,8 @@ def chunked(bench: Bench) -> list[dict]:
     kv_bytes = 2 * b * ctx * kvh * d * 2
     scale = d ** -0.5
 
-    def record(name: str, ms: float) -> None:
-        rows.append({"block": bs, "name": name, "ms": ms, "TBps": kv_bytes / ms / 1e9})
+    def record(name: str, ms: float, config: tuple = ()) -> None:
+        rows.append({"block": bs, "name": name, "ms": ms, "TBps": kv_bytes / ms / 1e9, "config": config})
         print(f"{name:70s} {ms:.4f} ms {kv_bytes / ms / 1e9:.3f} TB/s", flush=True)
 
     ragged = bench.paged_batch([(n, 1) for n in torch.randint(1, 3000, (24,)).tolist()], heads, kvh, d, bs)
@@ -349,11 +353,11 @@ def chunked(bench: Bench) -> list[dict]:
     shipped = partial(paged_attention_with, *batch[:5], batch[5], scale, max_query_len=1, decode=DecodeConfig())
     record("peer: SDPA on contiguous KV (#0)", bench.time_ms(sdpa))
     record("shipped default (#0)", bench.time_ms(shipped))
-    for read_only in (False, True):
-        for chunk, flat, warps, stages in CHUNK_CONFIGS:
-            name = f"{'read-only ' if read_only else ''}chunk={chunk} flat={flat} warps={warps} stages={stages}"
+    for sums_only, configs in ((False, CHUNK_CONFIGS), (True, CHUNK_READ_CONFIGS)):
+        for chunk, flat, warps, stages in configs:
+            name = f"{'read-only ' if sums_only else ''}chunk={chunk} flat={flat} warps={warps} stages={stages}"
             try:
-                if read_only:
+                if sums_only:
                     err = rel(chunk_decode(*batch[:5], scale, chunk, flat, warps, stages, True), sums)
                 else:
                     err = rel(chunk_decode(*ragged[:5], scale, chunk, flat, warps, stages), ref)
@@ -364,7 +368,7 @@ def chunked(bench: Bench) -> list[dict]:
                 print(f"{name}: WRONG ({err:.1e})", flush=True)
                 continue
             record(name, bench.time_ms(partial(chunk_decode, *batch[:5], scale, chunk, flat, warps, stages,
-                                               read_only)))
+                                               sums_only)), (chunk, flat, warps, stages))
     for warps, stages in ((2, 4), (4, 4)):
         record(f"read-only ids ahead warps={warps} stages={stages}",
                bench.time_ms(partial(read_only, k_cache, v_cache, tables, ctx, warps, stages)))
@@ -373,6 +377,15 @@ def chunked(bench: Bench) -> list[dict]:
                bench.time_ms(partial(read_contiguous, kc, vc, tokens, warps, stages)))
     record("peer: SDPA on contiguous KV (#1)", bench.time_ms(sdpa))
     record("shipped default (#1)", bench.time_ms(shipped))
+    decode = sorted((r for r in rows if r["name"].startswith("chunk=")), key=lambda r: r["ms"])[:2]
+    for r in decode:
+        record(f"{r['name']} again", bench.time_ms(partial(chunk_decode, *batch[:5], scale, *r["config"])))
+    for other in (32, 64):
+        batch = bench.paged_batch([(ctx, 1)] * b, heads, kvh, d, other)
+        for r in decode:
+            record(f"block={other} {r['name']}", bench.time_ms(partial(chunk_decode, *batch[:5], scale, *r["config"])))
+        record(f"block={other} shipped default", bench.time_ms(
+            partial(paged_attention_with, *batch[:5], batch[5], scale, max_query_len=1, decode=DecodeConfig())))
     return rows
 
 
