@@ -182,7 +182,11 @@ class Bench:
 
     # ---------------------------------------------------------------- attention
     def bench_decode(self, copy_rate: float) -> None:
-        from kvpilot.kernels.paged_attention import DecodeConfig, paged_attention_with
+        from kvpilot.kernels.paged_attention import (
+            TMA_BLOCK_SIZES,
+            DecodeConfig,
+            paged_attention_with,
+        )
 
         b, ctx, heads, kv_heads, d = 64, 2048, 32, 8, 128
         kv_bytes = 2 * b * ctx * kv_heads * d * 2
@@ -200,12 +204,18 @@ class Bench:
             best = math.inf
             for cfg in configs if block_size == 16 else configs[:1] + self._top_decode:
                 for splits in ((None, 2) if self.sweep else (None,)):
+                    default = cfg == DecodeConfig() and splits is None
+                    # the default takes the TMA kernel where it runs; the sweep times pointer-kernel tiles
                     ms = self.time_ms(partial(paged_attention_with, *batch, scale, max_query_len=1,
-                                              num_splits=splits, decode=cfg))
-                    tag = "default" if cfg == DecodeConfig() and splits is None else f"{cfg} splits={splits}"
+                                              num_splits=splits, decode=cfg, use_tma=None if default else False))
+                    tag = "default" if default else f"{cfg} splits={splits}"
                     self.record("decode", f"triton block={block_size} {tag}", ms,
                                 TBps=kv_bytes / ms / 1e9, of_copy=kv_bytes / ms / 1e9 / copy_rate)
                     best = min(best, ms)
+            if block_size in TMA_BLOCK_SIZES:
+                ms = self.time_ms(partial(paged_attention_with, *batch, scale, max_query_len=1, use_tma=False))
+                self.record("decode", f"triton block={block_size} pointer kernel (use_tma=False)", ms,
+                            TBps=kv_bytes / ms / 1e9, of_copy=kv_bytes / ms / 1e9 / copy_rate)
             if block_size == 16:
                 decode_rows = [r for r in self.rows if r["group"] == "decode" and "splits=None" in str(r["name"])]
                 ranked = sorted(decode_rows, key=lambda r: float(r["ms"]))  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ Layouts are those of `reference.py`: q/out (num_tokens, num_heads, head_dim); k_
 passed to the kernels); block_tables (num_seqs, max_blocks) int32; seq_lens (num_seqs,) int32;
 query_start_loc (num_seqs + 1,) int32. A sequence's query rows are its last q_len positions.
 
-Two kernels share the work, with no host synchronisation:
+Three kernels share the work, with no host synchronisation:
 * `_decode_kernel`, grid (num_kv_heads, num_seqs, num_splits): one program per sequence and KV
   head packs the GQA group's query heads into the rows of one tile, so each K/V tile is read
   once for the whole group ("GQA packing"). It walks the context in tiles of BLOCK_N tokens
@@ -17,7 +17,12 @@ Two kernels share the work, with no host synchronisation:
   (row m -> token m // GROUP, head m % GROUP), so K/V tiles are shared by the group here too.
   Sequence i owns the program ids starting at qsl[i] // BLOCK_Q + i (an upper bound on the tiles
   it needs, found by binary search), so the grid is known from shapes alone.
-The decode kernel takes the sequences with q_len == 1 and the prefill kernel those with more.
+* `_decode_tma_kernel`, grid (num_kv_heads, num_seqs): on Hopper and later, the single-token
+  decode kernel for unsplit contexts when the caller passes max_query_len: the same GQA packing,
+  one cache block per step fetched by TMA (one bulk copy per (block, KV head) run of a head-major
+  cache), block ids loaded a chunk at a time (see the kernel). It streams faster than the pointer
+  kernel (benchmarks/RESULTS.md); the pointer kernel serves every other case.
+A decode kernel takes the sequences with q_len == 1 and the prefill kernel those with more.
 Without a sync the launcher cannot tell an all-decode batch from one with as many tokens as
 sequences where some are empty and others long; when the caller passes max_query_len (the engine
 does) it knows. When it does not and num_tokens == num_seqs, only the decode kernel runs, built
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kvpilot.kernels.checks import (
     FLOAT_DTYPES,
@@ -70,6 +76,22 @@ class DecodeConfig:
 
 
 MULTI_DECODE = DecodeConfig(block_n=128, num_warps=4, num_stages=2)
+
+
+# The TMA decode kernel (Hopper and later, see _decode_tma_kernel). Picked on an H200 by
+# `benchmarks/exp_decode_paging.py --chunked`, B=64 x 2048, block 16: (32, 1, 3) 0.1338-0.1344 ms,
+# (32, 1, 4) 0.1338-0.1344, (64, 1, 4) 0.1343, (16, 1, 4) 0.1356, 2 warps 0.1368-0.1408, 4 warps
+# 0.1505-0.1578; SDPA on contiguous KV 0.1340-0.1348 and the pointer kernel 0.1357-0.1358 in the
+# same runs. At block 32 (32, 1, 3) ran 0.1326 (pointer kernel 0.1350); at block 64 0.1424
+# against the pointer kernel's 0.1352, so block 64 stays on the pointer kernel.
+@dataclass(frozen=True)
+class TmaDecodeConfig:
+    chunk: int = 32  # block ids loaded per vector load
+    num_warps: int = 1
+    num_stages: int = 3
+
+
+TMA_BLOCK_SIZES = (16, 32)
 
 
 @dataclass(frozen=True)
@@ -108,13 +130,20 @@ def _attend_tile(
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (rows, BLOCK_N)
     if MASKED:
         s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, l_i, p, alpha = _softmax_update(s, m_i, l_i)
     v = _load_tile(v_ptrs, load_ok, d_ok, HEAD_DIM, D_PAD, MASKED)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _softmax_update(s, m_i, l_i):
+    """Online softmax in base 2 over one tile of scores s (rows, keys): the new row maxima and
+    sums, the tile's probabilities p and the factor alpha that rescales what came before."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
 
 
 @triton.jit
@@ -289,6 +318,78 @@ def _reduce_kernel(
 
 
 @triton.jit
+def _attend_block(
+    q, k_desc, v_desc, blk, kvh, key_ok, m_i, l_i, acc, scale_log2,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One cache block of online softmax, K and V fetched as one TMA box each (the block's run
+    for KV head kvh in a head-major cache). MASKED scores only the keys in key_ok and zeroes the
+    other value rows (slots past the context may hold anything, NaN included)."""
+    k = k_desc.load([blk, kvh, 0, 0]).reshape(BLOCK_SIZE, HEAD_DIM)
+    v = v_desc.load([blk, kvh, 0, 0]).reshape(BLOCK_SIZE, HEAD_DIM)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if MASKED:
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        v = tl.where(key_ok[:, None], v, 0.0)
+    m_new, l_i, p, alpha = _softmax_update(s, m_i, l_i)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_tma_kernel(
+    out_ptr, q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Single-token decode through TMA, grid (num_kv_heads, num_seqs): one program per (sequence,
+    KV head) with the GQA group's query heads as rows, one cache block per step. Sequences whose
+    q_len is not 1 are left to the other kernels.
+
+    The block ids come CHUNK at a time in one vector load and are picked out of registers, so no
+    TMA coordinate waits on a load of the step before it: the pipeliner then streams the boxes
+    num_stages deep. With each id loaded a step ahead instead, the same reads without the math
+    streamed 3% slower than TMA reads of contiguous KV (benchmarks/RESULTS.md). Whole chunks
+    first, then the remaining whole blocks, then the partly filled last block, masked."""
+    kvh = tl.program_id(0)
+    seq = tl.program_id(1)
+    tok = tl.load(qsl_ptr + seq)
+    if tl.load(qsl_ptr + seq + 1) - tok != 1:
+        return
+    ctx = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, M)
+    row_ok = rows < GROUP
+    heads = kvh * GROUP + rows
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, HEAD_DIM], tl.float32)
+    keys = tl.arange(0, BLOCK_SIZE)
+    c = tl.arange(0, CHUNK)
+    whole = ctx // BLOCK_SIZE
+    chunked = whole // CHUNK * CHUNK
+    for c0 in range(0, chunked, CHUNK):
+        ids = tl.load(table + c0 + c)
+        for j in range(0, CHUNK):
+            blk = tl.sum(tl.where(c == j, ids, 0))  # element j, from registers
+            m_i, l_i, acc = _attend_block(q, k_desc, v_desc, blk, kvh, keys, m_i, l_i, acc, scale_log2,
+                                          BLOCK_SIZE, HEAD_DIM, False, PRECISION)
+    for b in range(chunked, whole):
+        m_i, l_i, acc = _attend_block(q, k_desc, v_desc, tl.load(table + b), kvh, keys, m_i, l_i, acc,
+                                      scale_log2, BLOCK_SIZE, HEAD_DIM, False, PRECISION)
+    if whole * BLOCK_SIZE < ctx:
+        m_i, l_i, acc = _attend_block(q, k_desc, v_desc, tl.load(table + whole), kvh,
+                                      whole * BLOCK_SIZE + keys < ctx, m_i, l_i, acc, scale_log2,
+                                      BLOCK_SIZE, HEAD_DIM, True, PRECISION)
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+@triton.jit
 def _prefill_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     scale_log2, num_seqs,
@@ -400,14 +501,96 @@ def paged_attention(
                                 max_query_len=max_query_len)
 
 
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_decode_unsupported(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """Why the TMA decode kernel cannot read these caches, or None when it can: it takes
+    head-major caches (each (block, KV head) one contiguous run, as the GPU engine allocates),
+    16- or 32-token blocks (the measured ones; the pointer kernel is faster at 64, and a tl.dot
+    needs 16 keys), a power-of-two head dim (a box is one tensor) and 16-byte aligned bases."""
+    _, block_size, _, head_dim = k_cache.shape
+    if block_size not in TMA_BLOCK_SIZES:
+        return f"block_size {block_size} is not one of {TMA_BLOCK_SIZES}"
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        return f"head_dim {head_dim} is not a power of two >= 16"
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not cache.transpose(1, 2).is_contiguous():
+            return f"{name} is not head-major (strides {tuple(cache.stride())})"
+        if cache.data_ptr() % 16:
+            return f"{name} does not start on a 16-byte boundary"
+    return None
+
+
+def _decode_tma(
+    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale_log2: float, precision: str,
+    tma: TmaDecodeConfig,
+) -> None:
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    descs = [TensorDescriptor.from_tensor(c.transpose(1, 2), [1, 1, block_size, head_dim]) for c in (k_cache, v_cache)]
+    _decode_tma_kernel[(num_kv_heads, block_tables.shape[0])](
+        out, q, *descs, block_tables, seq_lens, query_start_loc, scale_log2,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        CHUNK=tma.chunk, PRECISION=precision, num_warps=tma.num_warps, num_stages=tma.num_stages,
+    )
+
+
+def _decode_pointers(
+    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale_log2: float, precision: str,
+    decode: DecodeConfig, num_splits: int, split_size: int, multi: bool,
+) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = block_tables.shape[0]
+    group = num_heads // num_kv_heads
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        part_out = torch.empty((num_tokens, num_heads, num_splits, d_pad), dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
+                               device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
+        out, part_out, part_lse, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        scale_log2, split_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+        num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
+        GROUP=group, M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=decode.block_n, SPLIT=num_splits > 1, MULTI=multi,
+        PRECISION=precision, PREFETCH=decode.prefetch,
+        num_warps=decode.num_warps, num_stages=decode.num_stages,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, seq_lens, query_start_loc, int(multi), split_size,
+            out.stride(0), out.stride(1), num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
+            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+
+
 def paged_attention_with(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
     max_query_len: int | None = None, num_splits: int | None = None, decode: DecodeConfig | None = None,
     prefill: PrefillConfig | None = None, out: torch.Tensor | None = None,
+    use_tma: bool | None = None, tma: TmaDecodeConfig | None = None,
 ) -> torch.Tensor:
     """`paged_attention` without the argument checks and with the tuning knobs exposed
-    (benchmarks and tests pick them, tests pass a poisoned `out`; the engine takes defaults)."""
+    (benchmarks and tests pick them, tests pass a poisoned `out`; the engine takes defaults).
+    use_tma picks the decode kernel for single-token sequences when the batch is known to have
+    no longer ones or some prefill (max_query_len given) and the context is not split: the TMA
+    kernel (True), the pointer kernel (False) or, by default, TMA wherever it runs (a Hopper or
+    later GPU, see tma_decode_unsupported)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
@@ -436,30 +619,16 @@ def paged_attention_with(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, q.device)
     split_size = triton.cdiv(triton.cdiv(max_context, num_splits), decode.block_n) * decode.block_n
     num_splits = triton.cdiv(max_context, split_size)
-    if num_splits > 1:
-        part_out = torch.empty((num_tokens, num_heads, num_splits, d_pad), dtype=torch.float32,
-                               device=q.device)
-        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
-                               device=q.device)
+    if use_tma is None:
+        use_tma = not interp and _has_tma(q.device) and tma_decode_unsupported(k_cache, v_cache) is None
+    elif use_tma and (why := tma_decode_unsupported(k_cache, v_cache)):
+        raise ValueError(f"the TMA decode kernel cannot serve these caches: {why}")
+    if use_tma and not multi and num_splits == 1:
+        _decode_tma(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale_log2,
+                    precision, tma or TmaDecodeConfig())
     else:
-        part_out = part_lse = out  # unused
-    _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
-        out, part_out, part_lse, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        scale_log2, split_size,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
-        num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
-        GROUP=group, M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=decode.block_n, SPLIT=num_splits > 1, MULTI=multi,
-        PRECISION=precision, PREFETCH=decode.prefetch,
-        num_warps=decode.num_warps, num_stages=decode.num_stages,
-    )
-    if num_splits > 1:
-        _reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, seq_lens, query_start_loc, int(multi), split_size,
-            out.stride(0), out.stride(1), num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
-            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4,
-        )
+        _decode_pointers(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale_log2,
+                         precision, decode, num_splits, split_size, multi)
     if not all_decode:
         block_q = prefill.block_m // group
         _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
