@@ -389,15 +389,45 @@ def chunked(bench: Bench) -> list[dict]:
     return rows
 
 
+def compare(bench: Bench) -> list[dict]:
+    """The shipped TMA kernel against this script's chunked kernel, the pointer kernel and SDPA,
+    interleaved over three rounds (the H200s lent differ by a few percent from call to call)."""
+    rows: list[dict] = []
+    b, ctx, heads, kvh, d = 64, 2048, 32, 8, 128
+    kv_bytes = 2 * b * ctx * kvh * d * 2
+    scale = d ** -0.5
+    for bs in (16, 32):
+        batch = bench.paged_batch([(ctx, 1)] * b, heads, kvh, d, bs)
+        kc, vc = bench.contiguous_kv(batch, ctx)
+        runs = {
+            "peer: SDPA on contiguous KV": partial(F.scaled_dot_product_attention, batch[0].view(b, heads, 1, d), kc,
+                                                   vc, scale=scale, enable_gqa=True),
+            "shipped default (TMA)": partial(paged_attention_with, *batch, scale, max_query_len=1),
+            "shipped pointer kernel": partial(paged_attention_with, *batch, scale, max_query_len=1, use_tma=False),
+            "exp chunk=32 warps=1 stages=3": partial(chunk_decode, *batch[:5], scale, 32, False, 1, 3),
+        }
+        for rnd in range(3):
+            for name, fn in runs.items():
+                ms = bench.time_ms(fn)
+                rows.append({"block": bs, "round": rnd, "name": name, "ms": ms, "TBps": kv_bytes / ms / 1e9})
+                print(f"block={bs} round {rnd} {name:40s} {ms:.4f} ms", flush=True)
+        del batch, kc, vc
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--control-only", action="store_true", help="only SDPA, the shipped kernel, the split variants and the control")
+    parser.add_argument("--compare", action="store_true", help="shipped TMA, chunked, pointer and SDPA, interleaved")
     parser.add_argument("--chunked", action="store_true", help="only the chunked-ids kernels and their controls")
     args = parser.parse_args()
     bench = Bench(args.out, "exp", sweep=False)  # its random batches, contiguous copies and timer
     if args.chunked:
         (args.out / "exp_decode_chunked.json").write_text(json.dumps(chunked(bench), indent=1))
+        return
+    if args.compare:
+        (args.out / "exp_decode_compare.json").write_text(json.dumps(compare(bench), indent=1))
         return
     rows: list[dict] = []
     b, ctx, heads, kvh, d = 64, 2048, 32, 8, 128
