@@ -351,7 +351,7 @@ def _decode_tma_kernel(
     TMA coordinate waits on a load of the step before it: the pipeliner then streams the boxes
     num_stages deep. With each id loaded a step ahead instead, the same reads without the math
     streamed 3% slower than TMA reads of contiguous KV (benchmarks/RESULTS.md). Whole chunks
-    first, then the remaining whole blocks, then the partly filled last block, masked."""
+    first, then the remaining blocks one id load at a time, masked."""
     kvh = tl.program_id(0)
     seq = tl.program_id(1)
     tok = tl.load(qsl_ptr + seq)
@@ -369,21 +369,16 @@ def _decode_tma_kernel(
     acc = tl.zeros([M, HEAD_DIM], tl.float32)
     keys = tl.arange(0, BLOCK_SIZE)
     c = tl.arange(0, CHUNK)
-    whole = ctx // BLOCK_SIZE
-    chunked = whole // CHUNK * CHUNK
+    chunked = ctx // BLOCK_SIZE // CHUNK * CHUNK
     for c0 in range(0, chunked, CHUNK):
         ids = tl.load(table + c0 + c)
         for j in range(0, CHUNK):
             blk = tl.sum(tl.where(c == j, ids, 0))  # element j, from registers
             m_i, l_i, acc = _attend_block(q, k_desc, v_desc, blk, kvh, keys, m_i, l_i, acc, scale_log2,
                                           BLOCK_SIZE, HEAD_DIM, False, PRECISION)
-    for b in range(chunked, whole):
-        m_i, l_i, acc = _attend_block(q, k_desc, v_desc, tl.load(table + b), kvh, keys, m_i, l_i, acc,
-                                      scale_log2, BLOCK_SIZE, HEAD_DIM, False, PRECISION)
-    if whole * BLOCK_SIZE < ctx:
-        m_i, l_i, acc = _attend_block(q, k_desc, v_desc, tl.load(table + whole), kvh,
-                                      whole * BLOCK_SIZE + keys < ctx, m_i, l_i, acc, scale_log2,
-                                      BLOCK_SIZE, HEAD_DIM, True, PRECISION)
+    for b in range(chunked, tl.cdiv(ctx, BLOCK_SIZE)):  # masked: the last block may be partly filled
+        m_i, l_i, acc = _attend_block(q, k_desc, v_desc, tl.load(table + b), kvh, b * BLOCK_SIZE + keys < ctx,
+                                      m_i, l_i, acc, scale_log2, BLOCK_SIZE, HEAD_DIM, True, PRECISION)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None])
