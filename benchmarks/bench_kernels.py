@@ -204,18 +204,17 @@ class Bench:
             best = math.inf
             for cfg in configs if block_size == 16 else configs[:1] + self._top_decode:
                 for splits in ((None, 2) if self.sweep else (None,)):
-                    default = cfg == DecodeConfig() and splits is None
-                    # the default takes the TMA kernel where it runs; the sweep times pointer-kernel tiles
                     ms = self.time_ms(partial(paged_attention_with, *batch, scale, max_query_len=1,
-                                              num_splits=splits, decode=cfg, use_tma=None if default else False))
-                    tag = "default" if default else f"{cfg} splits={splits}"
+                                              num_splits=splits, decode=cfg))
+                    tag = "default" if cfg == DecodeConfig() and splits is None else f"{cfg} splits={splits}"
                     self.record("decode", f"triton block={block_size} {tag}", ms,
                                 TBps=kv_bytes / ms / 1e9, of_copy=kv_bytes / ms / 1e9 / copy_rate)
                     best = min(best, ms)
             if block_size in TMA_BLOCK_SIZES:
-                ms = self.time_ms(partial(paged_attention_with, *batch, scale, max_query_len=1, use_tma=False))
-                self.record("decode", f"triton block={block_size} pointer kernel (use_tma=False)", ms,
+                ms = self.time_ms(partial(paged_attention_with, *batch, scale, max_query_len=1, use_tma=True))
+                self.record("decode", f"triton block={block_size} TMA kernel (use_tma=True)", ms,
                             TBps=kv_bytes / ms / 1e9, of_copy=kv_bytes / ms / 1e9 / copy_rate)
+                self._decode_in_graphs(batch, block_size, ctx, kv_bytes)
             if block_size == 16:
                 decode_rows = [r for r in self.rows if r["group"] == "decode" and "splits=None" in str(r["name"])]
                 ranked = sorted(decode_rows, key=lambda r: float(r["ms"]))  # type: ignore[arg-type]
@@ -240,6 +239,25 @@ class Bench:
                 self.record("decode", "peer: gather blocks then SDPA", ms, TBps=kv_bytes / ms / 1e9)
             self.record("decode", f"best block={block_size}", best, TBps=kv_bytes / best / 1e9,
                         of_copy=kv_bytes / best / 1e9 / copy_rate)
+
+    def _decode_in_graphs(self, batch: tuple, block_size: int, ctx: int, kv_bytes: int) -> None:
+        """The pointer and TMA kernels and SDPA replayed from CUDA graphs, as the engine decodes:
+        no host time between launches (the TMA launch encodes two tensor maps on the host), and no
+        L2 flush between replays (537 MB of K/V against a 50 MB L2)."""
+        from kvpilot.kernels.paged_attention import paged_attention_with
+
+        b, heads, d = batch[3].shape[0], batch[0].shape[1], batch[0].shape[2]
+        k, v = self.contiguous_kv(batch, ctx)
+        runs = {"pointer kernel": partial(paged_attention_with, *batch, d ** -0.5, max_query_len=1),
+                "TMA kernel": partial(paged_attention_with, *batch, d ** -0.5, max_query_len=1, use_tma=True),
+                "peer: SDPA on contiguous KV": partial(F.scaled_dot_product_attention, batch[0].view(b, heads, 1, d),
+                                                       k, v, scale=d ** -0.5, enable_gqa=True)}
+        for rnd in range(2):
+            for name, fn in runs.items():
+                fn()
+                self.torch.cuda.synchronize()
+                ms = float(self.triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+                self.record("graphs", f"block={block_size} {name} (#{rnd})", ms, TBps=kv_bytes / ms / 1e9)
 
     def bench_split(self, copy_rate: float) -> None:
         from kvpilot.kernels.paged_attention import DecodeConfig, paged_attention_with
@@ -346,6 +364,8 @@ class Bench:
 
     def section(self, header: str) -> str:
         """The RESULTS.md section: every figure against its issue-5 target."""
+        from kvpilot.kernels.paged_attention import TMA_BLOCK_SIZES
+
         def get(group: str, name: str, key: str) -> float:
             r = self._row(group, name)
             return float(r[key]) if r and key in r else math.nan  # type: ignore[arg-type]
@@ -390,6 +410,16 @@ class Bench:
         lines.append(f"| decode block 16, token-major (contiguous) cache instead of head-major | "
                      f"{ms('decode', tm):.4f} ms | {get('decode', tm, 'TBps'):.2f} TB/s "
                      f"({get('decode', tm, 'of_copy'):.1%} of copy) | — | |")
+        for b in TMA_BLOCK_SIZES:
+            tma = f"triton block={b} TMA kernel (use_tma=True)"
+            lines.append(f"| decode block {b}, TMA kernel (opt-in) | {ms('decode', tma):.4f} ms | "
+                         f"{get('decode', tma, 'TBps'):.2f} TB/s ({get('decode', tma, 'of_copy'):.1%} of copy) | — | |")
+            replayed = {k: min(ms("graphs", f"block={b} {k} (#{r})") for r in (0, 1))
+                        for k in ("pointer kernel", "TMA kernel", "peer: SDPA on contiguous KV")}
+            lines.append(f"| decode block {b} replayed from CUDA graphs (best of 2): pointer / TMA / SDPA | "
+                         f"{replayed['pointer kernel']:.4f} / {replayed['TMA kernel']:.4f} / "
+                         f"{replayed['peer: SDPA on contiguous KV']:.4f} ms | TMA is "
+                         f"{replayed['peer: SDPA on contiguous KV'] / replayed['TMA kernel']:.3f}x SDPA | — | |")
         for peer, need in (("peer: SDPA on contiguous KV", 1.0), ("peer: gather blocks then SDPA", 2.9)):
             speedup = ms("decode", peer) / d16
             lines.append(f"| decode peer: {peer[6:]} | {ms('decode', peer):.4f} ms | "

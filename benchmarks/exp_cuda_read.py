@@ -194,7 +194,7 @@ def main() -> int:
     # contiguous: sequence s's run r of head h at ((s * kvh + h) * runs + r) x 4 KiB
     contiguous_tables = (torch.arange(b, device=q.device)[:, None] * kvh * runs
                          + torch.arange(runs, device=q.device)[None, :]).int()
-    want_contiguous = (word_sums(kc.flatten(0, 1)) + word_sums(vc.flatten(0, 1))).view(b, kvh)
+    want_contiguous = (word_sums(kc.flatten(0, 1)) + word_sums(vc.flatten(0, 1))).view(b, kvh) % 2**32
     sequential = torch.arange(tables.numel(), dtype=torch.int32, device=q.device).view_as(tables)
     layouts = {"paged random tables": (k_cache, v_cache, tables, kvh, 1, want),
                "paged sequential tables": (k_cache, v_cache, sequential, kvh, 1, None),

@@ -17,11 +17,11 @@ Three kernels share the work, with no host synchronisation:
   (row m -> token m // GROUP, head m % GROUP), so K/V tiles are shared by the group here too.
   Sequence i owns the program ids starting at qsl[i] // BLOCK_Q + i (an upper bound on the tiles
   it needs, found by binary search), so the grid is known from shapes alone.
-* `_decode_tma_kernel`, grid (num_kv_heads, num_seqs): on Hopper and later, the single-token
-  decode kernel for unsplit contexts when the caller passes max_query_len: the same GQA packing,
-  one cache block per step fetched by TMA (one bulk copy per (block, KV head) run of a head-major
-  cache), block ids loaded a chunk at a time (see the kernel). It streams faster than the pointer
-  kernel (benchmarks/RESULTS.md); the pointer kernel serves every other case.
+* `_decode_tma_kernel`, grid (num_kv_heads, num_seqs), opt-in (use_tma): on Hopper and later,
+  single-token decode over unsplit contexts when the caller passes max_query_len, in place of
+  `_decode_kernel`: the same GQA packing, one cache block per step fetched by TMA (one bulk copy
+  per (block, KV head) run of a head-major cache), block ids loaded a chunk at a time (see the
+  kernel). On an H200 it ran 0.4-1.5% faster than `_decode_kernel` (benchmarks/RESULTS.md).
 A decode kernel takes the sequences with q_len == 1 and the prefill kernel those with more.
 Without a sync the launcher cannot tell an all-decode batch from one with as many tokens as
 sequences where some are empty and others long; when the caller passes max_query_len (the engine
@@ -351,7 +351,11 @@ def _decode_tma_kernel(
     TMA coordinate waits on a load of the step before it: the pipeliner then streams the boxes
     num_stages deep. With each id loaded a step ahead instead, the same reads without the math
     streamed 3% slower than TMA reads of contiguous KV (benchmarks/RESULTS.md). Whole chunks
-    first, then the remaining blocks one id load at a time, masked."""
+    first, then the remaining blocks one id load at a time, masked.
+
+    Host cost: every launch has Triton's launcher encode two CUtensorMaps from the host
+    TensorDescriptors, so an eager launch takes more host time than the pointer kernel's (how much
+    is not measured yet); under a CUDA graph it is paid once, at capture."""
     kvh = tl.program_id(0)
     seq = tl.program_id(1)
     tok = tl.load(qsl_ptr + seq)
@@ -496,16 +500,14 @@ def paged_attention(
                                 max_query_len=max_query_len)
 
 
-@functools.cache
-def _has_tma(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def tma_decode_unsupported(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
-    """Why the TMA decode kernel cannot read these caches, or None when it can: it takes
-    head-major caches (each (block, KV head) one contiguous run, as the GPU engine allocates),
-    16- or 32-token blocks (the measured ones; the pointer kernel is faster at 64, and a tl.dot
-    needs 16 keys), a power-of-two head dim (a box is one tensor) and 16-byte aligned bases."""
+def tma_decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """Why the TMA decode kernel cannot read these caches, or None when it can: it needs a
+    Hopper or later GPU (or Triton's interpreter), head-major caches (each (block, KV head) one
+    contiguous run, as the GPU engine allocates), 16- or 32-token blocks (the measured ones; the
+    pointer kernel is faster at 64, and a tl.dot needs 16 keys), a power-of-two head dim (a box is
+    one tensor) and 16-byte aligned bases."""
+    if q.device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(q.device)[0] < 9:
+        return "TMA needs a Hopper or later GPU (compute capability 9.0)"
     _, block_size, _, head_dim = k_cache.shape
     if block_size not in TMA_BLOCK_SIZES:
         return f"block_size {block_size} is not one of {TMA_BLOCK_SIZES}"
@@ -578,14 +580,14 @@ def paged_attention_with(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
     max_query_len: int | None = None, num_splits: int | None = None, decode: DecodeConfig | None = None,
     prefill: PrefillConfig | None = None, out: torch.Tensor | None = None,
-    use_tma: bool | None = None, tma: TmaDecodeConfig | None = None,
+    use_tma: bool = False, tma: TmaDecodeConfig | None = None,
 ) -> torch.Tensor:
     """`paged_attention` without the argument checks and with the tuning knobs exposed
     (benchmarks and tests pick them, tests pass a poisoned `out`; the engine takes defaults).
-    use_tma picks the decode kernel for single-token sequences when the batch is known to have
-    no longer ones or some prefill (max_query_len given) and the context is not split: the TMA
-    kernel (True), the pointer kernel (False) or, by default, TMA wherever it runs (a Hopper or
-    later GPU, see tma_decode_unsupported)."""
+    use_tma runs the single-token sequences through _decode_tma_kernel (Hopper or later, caches
+    as tma_decode_unsupported says) when max_query_len is given and the context is not split.
+    It is opt-in: the engine has not run it on a GPU yet, and its launch costs more host time
+    than the pointer kernel's (see _decode_tma_kernel)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
@@ -614,9 +616,7 @@ def paged_attention_with(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, q.device)
     split_size = triton.cdiv(triton.cdiv(max_context, num_splits), decode.block_n) * decode.block_n
     num_splits = triton.cdiv(max_context, split_size)
-    if use_tma is None:
-        use_tma = not interp and _has_tma(q.device) and tma_decode_unsupported(k_cache, v_cache) is None
-    elif use_tma and (why := tma_decode_unsupported(k_cache, v_cache)):
+    if use_tma and (why := tma_decode_unsupported(q, k_cache, v_cache)):
         raise ValueError(f"the TMA decode kernel cannot serve these caches: {why}")
     if use_tma and not multi and num_splits == 1:
         _decode_tma(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale_log2,
