@@ -10,7 +10,8 @@ Not part of the engine. Timed against the shipped decode kernel and SDPA in one 
   so that boxes of several heads keep 512 programs.
 * `_read_kernel`: a control, the same TMA reads without the attention math, on random and on
   sequential block tables: how fast the access pattern streams at all; `_read_contiguous_kernel`,
-  the same reads of SDPA's contiguous layout.
+  the same reads of SDPA's contiguous layout; `_chunk_read_kernel`, the reads with block ids
+  loaded a chunk at a time, as the shipped `_decode_tma_kernel` (opt-in) loads them.
 The figures in benchmarks/RESULTS.md come from the code at the commits named there: the
 single-head and several-head TMA kernels were separate then (a29b222 also timed 2 and 4 blocks per
 iteration), and d1e0178 holds two ideas dropped since, both slower than the shipped kernel:
@@ -18,7 +19,10 @@ several KV heads per program with pointer loads, and an L2 bulk prefetch of the 
 tiles ahead.
 Each variant is checked against the reference before it is timed; a variant that fails to
 compile or differs is reported and skipped.
-    python benchmarks/exp_decode_paging.py [--out DIR] [--control-only]   (SDPA, shipped, split variants, control)
+    python benchmarks/exp_decode_paging.py [--out DIR] [--control-only | --chunked | --compare]
+--control-only: SDPA, the shipped kernel, the split variants and the controls; --chunked: the
+shipped TMA kernel's configs and the chunked read control; --compare: the shipped TMA and pointer
+kernels and SDPA, interleaved.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from kvpilot.kernels import reference
 from kvpilot.kernels.paged_attention import (
     LOG2E,
     DecodeConfig,
+    TmaDecodeConfig,
     _reduce_kernel,
     paged_attention_with,
 )
@@ -230,79 +235,41 @@ def read_contiguous(kc, vc, tokens, warps, stages):
 
 
 @triton.jit
-def _block_id(ids, c, j):
-    """Element j of the register vector ids (c = its aranged positions): a masked sum, no load."""
-    return tl.sum(tl.where(c == j, ids, 0))
-
-
-@triton.jit
-def _chunk_decode_kernel(
-    out_ptr, q_ptr, k_desc, v_desc, tables_ptr, seq_lens_ptr, scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr,
-    FLAT: tl.constexpr, READ_ONLY: tl.constexpr,
-):
-    """Single-token decode, one TMA box per (block, KV head), the block ids loaded CHUNK at a time
-    as one vector and picked out of registers, so no TMA coordinate waits on a load of the loop
-    before it (with ids one iteration ahead, the coordinate is the previous iteration's scalar
-    load: read-only, that streamed 3% slower than the same boxes of contiguous KV). FLAT asks the
-    compiler to flatten the chunk and block loops into one pipelined loop. READ_ONLY: the reads
-    alone, summed through tl.dot, as a control (the output is then column sums, not attention)."""
+def _chunk_read_kernel(out_ptr, k_desc, v_desc, tables_ptr, ctx, stride_bt, D: tl.constexpr, BS: tl.constexpr,
+                       CHUNK: tl.constexpr, FLAT: tl.constexpr):
+    """The read-only control with block ids loaded CHUNK at a time as one vector and picked out of
+    registers, as kernels/paged_attention.py's _decode_tma_kernel does (it began here as a decode
+    kernel with this loop, at 742fe1e). FLAT asks the compiler to flatten the two loops into one
+    (decode ran 0.21-0.25 ms so, at 742fe1e). ctx // BS must divide by CHUNK."""
     kvh = tl.program_id(0)
     seq = tl.program_id(1)
-    ctx = tl.load(seq_lens_ptr + seq)
-    rows = tl.arange(0, M)
-    row_ok = rows < GROUP
-    heads = kvh * GROUP + rows
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     table = tables_ptr + seq.to(tl.int64) * stride_bt
-    cols = tl.arange(0, BS)
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
-    ones = tl.full([M, BS], 1.0, tl.float32).to(k_desc.dtype)
+    acc = tl.zeros([16, D], tl.float32)
+    ones = tl.full([16, BS], 1.0, tl.float32).to(k_desc.dtype)
     c = tl.arange(0, CHUNK)
-    full = ctx // BS // CHUNK * CHUNK  # blocks in whole chunks
-    for c0 in tl.range(0, full, CHUNK, flatten=FLAT):
+    for c0 in tl.range(0, ctx // BS, CHUNK, flatten=FLAT):
         ids = tl.load(table + c0 + c)
         for j in tl.range(0, CHUNK):
-            blk = _block_id(ids, c, j)
-            k = _load_block(k_desc, blk, kvh, BS, D)
-            v = _load_block(v_desc, blk, kvh, BS, D)
-            if READ_ONLY:
-                acc = tl.dot(ones, v, tl.dot(ones, k, acc))
-            else:
-                m_i, l_i, acc = _softmax_step(q, k, v, cols, cols, m_i, l_i, acc, scale_log2, False, False)
-    for b in range(full, tl.cdiv(ctx, BS)):  # the blocks past the whole chunks, the last one masked
-        blk = tl.load(table + b)
-        k = _load_block(k_desc, blk, kvh, BS, D)
-        v = _load_block(v_desc, blk, kvh, BS, D)
-        key_ok = b * BS + cols < ctx
-        if READ_ONLY:
-            acc = tl.dot(ones, v, tl.dot(ones, k, acc))
-        else:
-            m_i, l_i, acc = _softmax_step(q, k, v, key_ok[None, :], key_ok, m_i, l_i, acc, scale_log2, True, True)
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if READ_ONLY:
-        o = acc
-    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+            blk = tl.sum(tl.where(c == j, ids, 0))
+            acc = tl.dot(ones, _load_block(v_desc, blk, kvh, BS, D), tl.dot(ones, _load_block(k_desc, blk, kvh, BS, D), acc))
+    tl.store(out_ptr + (seq * tl.num_programs(0) + kvh) * D + tl.arange(0, D), tl.sum(acc, 0) / 16)
 
 
-def chunk_decode(q, k_cache, v_cache, tables, seq_lens, scale, chunk, flat, warps, stages, read_only=False):
-    """Single-token decode with block ids loaded chunk at a time (head-major caches). read_only:
-    per (sequence, query head), the column sums of K and V over the context (fp32)."""
-    num_tokens, num_heads, d = q.shape
-    _, bs, kvh, _ = k_cache.shape
+def chunk_read(k_cache, v_cache, tables, ctx, chunk, flat, warps, stages):
+    """Per (sequence, KV head): the sum over the first ctx positions of K and V, (num_seqs, kvh, d)."""
+    _, bs, kvh, d = k_cache.shape
     descs = [TensorDescriptor.from_tensor(c.transpose(1, 2), [1, 1, bs, d]) for c in (k_cache, v_cache)]
-    out = torch.empty(q.shape, dtype=torch.float32 if read_only else q.dtype, device=q.device)
-    _chunk_decode_kernel[(kvh, tables.shape[0])](
-        out, q, *descs, tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        tables.stride(0), GROUP=num_heads // kvh, M=max(16, triton.next_power_of_2(num_heads // kvh)), D=d, BS=bs,
-        CHUNK=chunk, FLAT=flat, READ_ONLY=read_only, num_warps=warps, num_stages=stages,
-    )
+    out = torch.empty(tables.shape[0], kvh, d, dtype=torch.float32, device=k_cache.device)
+    _chunk_read_kernel[(kvh, tables.shape[0])](out, *descs, tables, ctx, tables.stride(0), D=d, BS=bs, CHUNK=chunk,
+                                               FLAT=flat, num_warps=warps, num_stages=stages)
     return out
+
+
+def chunk_decode(q, k_cache, v_cache, tables, seq_lens, scale, chunk, warps, stages):
+    """The shipped TMA decode kernel with the given chunk of block ids, warps and stages."""
+    qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_attention_with(q, k_cache, v_cache, tables, seq_lens, qsl, scale, max_query_len=1, use_tma=True,
+                                tma=TmaDecodeConfig(chunk, warps, stages))
 
 
 # the other block sizes TMA can serve (tl.dot needs 16 keys, so not 8): a few configs each
@@ -318,11 +285,13 @@ TMA_CONFIGS = ((1, 1, 4, True), (1, 2, 4, True), (2, 2, 3, True), (2, 4, 3, True
 # slices, warps, stages)
 SPLIT_CONFIGS = ((2, 2, 2, 3), (2, 2, 4, 3), (4, 4, 4, 2), (4, 4, 4, 3), (8, 8, 4, 2), (8, 8, 8, 2), (8, 4, 8, 2))
 # block ids a chunk at a time: (chunk, flatten, warps, stages)
-# (the call at the commit after 2902f36 timed chunks of 16 and 32, flattened or not, 1/2/4 warps,
-# 3/4 stages: flattening ran 0.21-0.25 ms, 1 warp was best)
-CHUNK_CONFIGS = ((32, False, 1, 3), (32, False, 1, 4), (32, False, 1, 5), (32, False, 1, 6), (64, False, 1, 4),
-                 (64, False, 1, 5), (16, False, 1, 5), (32, False, 2, 5), (64, False, 2, 4))
-CHUNK_READ_CONFIGS = ((32, False, 1, 4), (32, False, 2, 4))
+# the TMA decode kernel: (chunk, warps, stages). 742fe1e timed chunks of 16 and 32, flattened or not,
+# 1/2/4 warps, 3/4 stages (flattened 0.21-0.25 ms, 1 warp best); b7787f3 these, in this script's
+# own copy of the kernel then
+CHUNK_CONFIGS = ((32, 1, 3), (32, 1, 4), (32, 1, 5), (32, 1, 6), (64, 1, 4), (64, 1, 5), (16, 1, 5), (32, 2, 5),
+                 (64, 2, 4))
+# the chunked read control: (chunk, flatten, warps, stages)
+CHUNK_READ_CONFIGS = ((32, False, 1, 4), (32, False, 2, 4), (32, True, 2, 3))
 # the read-only control: (KV heads per box, context slices per program, warps, stages); slices keep
 # 512 programs when a box spans several heads
 CONTROL_CONFIGS = ((1, 1, 1, 3), (1, 1, 1, 4), (1, 1, 2, 4), (1, 1, 2, 6), (1, 1, 4, 4), (2, 2, 2, 4), (2, 2, 4, 4),
@@ -346,29 +315,27 @@ def chunked(bench: Bench) -> list[dict]:
     batch = bench.paged_batch([(ctx, 1)] * b, heads, kvh, d, bs)
     q, k_cache, v_cache, tables = batch[:4]
     sums = (k_cache.float().sum(1) + v_cache.float().sum(1))[tables.long()].sum(1)  # (b, kvh, d)
-    sums = sums.repeat_interleave(heads // kvh, 1)
     kc, vc = bench.contiguous_kv(batch, ctx)
     qb = q.view(b, heads, 1, d)
     sdpa = partial(F.scaled_dot_product_attention, qb, kc, vc, scale=scale, enable_gqa=True)
     shipped = partial(paged_attention_with, *batch[:5], batch[5], scale, max_query_len=1, decode=DecodeConfig())
     record("peer: SDPA on contiguous KV (#0)", bench.time_ms(sdpa))
     record("shipped default (#0)", bench.time_ms(shipped))
-    for sums_only, configs in ((False, CHUNK_CONFIGS), (True, CHUNK_READ_CONFIGS)):
-        for chunk, flat, warps, stages in configs:
-            name = f"{'read-only ' if sums_only else ''}chunk={chunk} flat={flat} warps={warps} stages={stages}"
-            try:
-                if sums_only:
-                    err = rel(chunk_decode(*batch[:5], scale, chunk, flat, warps, stages, True), sums)
-                else:
-                    err = rel(chunk_decode(*ragged[:5], scale, chunk, flat, warps, stages), ref)
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result
-                print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                continue
-            if err > 2e-2:
-                print(f"{name}: WRONG ({err:.1e})", flush=True)
-                continue
-            record(name, bench.time_ms(partial(chunk_decode, *batch[:5], scale, chunk, flat, warps, stages,
-                                               sums_only)), (chunk, flat, warps, stages))
+    for chunk, warps, stages in CHUNK_CONFIGS:
+        name = f"TMA decode chunk={chunk} warps={warps} stages={stages}"
+        err = rel(chunk_decode(*ragged[:5], scale, chunk, warps, stages), ref)
+        if err > 2e-2:
+            print(f"{name}: WRONG ({err:.1e})", flush=True)
+            continue
+        record(name, bench.time_ms(partial(chunk_decode, *batch[:5], scale, chunk, warps, stages)),
+               (chunk, warps, stages))
+    for chunk, flat, warps, stages in CHUNK_READ_CONFIGS:
+        name = f"read-only chunk={chunk} flat={flat} warps={warps} stages={stages}"
+        run = partial(chunk_read, k_cache, v_cache, tables, ctx, chunk, flat, warps, stages)
+        if (err := rel(run(), sums)) > 1e-2:
+            print(f"{name}: WRONG ({err:.1e})", flush=True)
+            continue
+        record(name, bench.time_ms(run))
     for warps, stages in ((2, 4), (4, 4)):
         record(f"read-only ids ahead warps={warps} stages={stages}",
                bench.time_ms(partial(read_only, k_cache, v_cache, tables, ctx, warps, stages)))
@@ -377,7 +344,7 @@ def chunked(bench: Bench) -> list[dict]:
                bench.time_ms(partial(read_contiguous, kc, vc, tokens, warps, stages)))
     record("peer: SDPA on contiguous KV (#1)", bench.time_ms(sdpa))
     record("shipped default (#1)", bench.time_ms(shipped))
-    decode = sorted((r for r in rows if r["name"].startswith("chunk=")), key=lambda r: r["ms"])[:2]
+    decode = sorted((r for r in rows if r["name"].startswith("TMA decode")), key=lambda r: r["ms"])[:2]
     for r in decode:
         record(f"{r['name']} again", bench.time_ms(partial(chunk_decode, *batch[:5], scale, *r["config"])))
     for other in (32, 64):
@@ -390,8 +357,9 @@ def chunked(bench: Bench) -> list[dict]:
 
 
 def compare(bench: Bench) -> list[dict]:
-    """The shipped TMA kernel against this script's chunked kernel, the pointer kernel and SDPA,
-    interleaved over three rounds (the H200s lent differ by a few percent from call to call)."""
+    """The shipped TMA kernel against the pointer kernel and SDPA, interleaved over three rounds (the
+    H200s lent differ by a few percent from call to call). At 3b0cec7 it also timed this script's
+    own copy of the chunked kernel, since replaced by the shipped one."""
     rows: list[dict] = []
     b, ctx, heads, kvh, d = 64, 2048, 32, 8, 128
     kv_bytes = 2 * b * ctx * kvh * d * 2
@@ -404,7 +372,6 @@ def compare(bench: Bench) -> list[dict]:
                                                    vc, scale=scale, enable_gqa=True),
             "shipped default (TMA)": partial(paged_attention_with, *batch, scale, max_query_len=1),
             "shipped pointer kernel": partial(paged_attention_with, *batch, scale, max_query_len=1, use_tma=False),
-            "exp chunk=32 warps=1 stages=3": partial(chunk_decode, *batch[:5], scale, 32, False, 1, 3),
         }
         for rnd in range(3):
             for name, fn in runs.items():
