@@ -79,7 +79,8 @@ MULTI_DECODE = DecodeConfig(block_n=128, num_warps=4, num_stages=2)
 
 
 # The TMA decode kernel (Hopper and later, see _decode_tma_kernel). Picked on an H200 by
-# `benchmarks/exp_decode_paging.py --chunked`, B=64 x 2048, block 16: (32, 1, 3) 0.1338-0.1344 ms,
+# `benchmarks/exp_decode_paging.py --chunked` at 742fe1e and b7787f3 (the script's own copy of this
+# kernel then), B=64 x 2048, block 16: (32, 1, 3) 0.1338-0.1344 ms,
 # (32, 1, 4) 0.1338-0.1344, (64, 1, 4) 0.1343, (16, 1, 4) 0.1356, 2 warps 0.1368-0.1408, 4 warps
 # 0.1505-0.1578; SDPA on contiguous KV 0.1340-0.1348 and the pointer kernel 0.1357-0.1358 in the
 # same runs. At block 32 (32, 1, 3) ran 0.1326 (pointer kernel 0.1350); at block 64 0.1424
