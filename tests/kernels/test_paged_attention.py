@@ -215,7 +215,7 @@ def test_tma_decode_default_chunk_and_float16(device: torch.device) -> None:
 
 
 def test_tma_decode_leaves_padding_rows_alone(device: torch.device) -> None:
-    """As the pointer kernel: empty sequences (padding) own no rows, and no row is written twice."""
+    """As the pointer kernel: empty sequences (padding) own no rows, so the padding rows stay unwritten."""
     specs = [(10, 1), (7, 0), (40, 1), (5, 0)]
     q, *rest = head_major_batch(make_batch(specs, 4, 2, 64, 16, torch.float32, device))
     padded_q = torch.cat([q, torch.randn(2, *q.shape[1:], device=device)])
