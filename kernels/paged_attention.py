@@ -493,12 +493,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
     `max_query_len` (the longest sequence's new tokens, known to the caller without a sync) lets
-    an all-decode batch run the decode kernel built for one token per sequence."""
+    an all-decode batch run the decode kernel built for one token per sequence.
+    `KVPILOT_DECODE_TMA=1` opts into the TMA decode kernel wherever it can read the caches
+    (`tma_decode_unsupported`; elsewhere the pointer kernel runs as before)."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if max_query_len is not None and not 0 <= max_query_len <= q.shape[0]:
         raise ValueError(f"max_query_len must be between 0 and num_tokens ({q.shape[0]}), got {max_query_len}")
+    use_tma = os.environ.get("KVPILOT_DECODE_TMA") == "1" and tma_decode_unsupported(q, k_cache, v_cache) is None
     return paged_attention_with(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                max_query_len=max_query_len)
+                                max_query_len=max_query_len, use_tma=use_tma)
 
 
 def tma_decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:

@@ -226,6 +226,19 @@ def test_tma_decode_leaves_padding_rows_alone(device: torch.device) -> None:
     assert out[2:].isnan().all()
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_env_opts_the_engine_entry_into_tma_where_it_can_read(
+    block_size: int, device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVPILOT_DECODE_TMA=1 through the checked entry the engine calls: head-major 16-token
+    caches take the TMA kernel, 8-token ones (which it cannot read) stay on the pointer kernel
+    instead of raising, and both are right."""
+    monkeypatch.setenv("KVPILOT_DECODE_TMA", "1")
+    batch = head_major_batch(make_batch(TMA_DECODE[:6], 8, 2, 64, block_size, torch.float32, device))
+    out = paged_attention(*batch, 0.125, max_query_len=1)
+    assert rel_err(out, reference.paged_attention(*batch, 0.125)) < tolerance(torch.float32, device)
+
+
 @pytest.mark.parametrize("block_size,head_dim,head_major,message", [
     (8, 64, True, "block_size 8"), (64, 64, True, "block_size 64"), (16, 80, True, "head_dim 80"),
     (16, 64, False, "k_cache is not head-major"),
