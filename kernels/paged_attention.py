@@ -21,7 +21,7 @@ Three kernels share the work, with no host synchronisation:
   single-token decode over unsplit contexts when the caller passes max_query_len, in place of
   `_decode_kernel`: the same GQA packing, one cache block per step fetched by TMA (one bulk copy
   per (block, KV head) run of a head-major cache), block ids loaded a chunk at a time (see the
-  kernel). On an H200 it ran 0.4-1.5% faster than `_decode_kernel` (benchmarks/RESULTS.md).
+  kernel). On an H200 it ran 0.4-1.8% faster than `_decode_kernel` (benchmarks/RESULTS.md).
 A decode kernel takes the sequences with q_len == 1 and the prefill kernel those with more.
 Without a sync the launcher cannot tell an all-decode batch from one with as many tokens as
 sequences where some are empty and others long; when the caller passes max_query_len (the engine
@@ -499,9 +499,9 @@ def paged_attention(
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if max_query_len is not None and not 0 <= max_query_len <= q.shape[0]:
         raise ValueError(f"max_query_len must be between 0 and num_tokens ({q.shape[0]}), got {max_query_len}")
-    use_tma = os.environ.get("KVPILOT_DECODE_TMA") == "1" and tma_decode_unsupported(q, k_cache, v_cache) is None
     return paged_attention_with(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                max_query_len=max_query_len, use_tma=use_tma)
+                                max_query_len=max_query_len,
+                                use_tma=None if os.environ.get("KVPILOT_DECODE_TMA") == "1" else False)
 
 
 def tma_decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
@@ -584,14 +584,15 @@ def paged_attention_with(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
     max_query_len: int | None = None, num_splits: int | None = None, decode: DecodeConfig | None = None,
     prefill: PrefillConfig | None = None, out: torch.Tensor | None = None,
-    use_tma: bool = False, tma: TmaDecodeConfig | None = None,
+    use_tma: bool | None = False, tma: TmaDecodeConfig | None = None,
 ) -> torch.Tensor:
     """`paged_attention` without the argument checks and with the tuning knobs exposed
     (benchmarks and tests pick them, tests pass a poisoned `out`; the engine takes defaults).
     use_tma runs the single-token sequences through _decode_tma_kernel (Hopper or later, caches
-    as tma_decode_unsupported says) when max_query_len is given and the context is not split.
-    It is opt-in: the engine has not run it on a GPU yet, and its launch costs more host time
-    than the pointer kernel's (see _decode_tma_kernel)."""
+    as tma_decode_unsupported says) when max_query_len is given and the context is not split:
+    True asks for it (ValueError where it cannot read the caches), None takes it where it can,
+    False never does. It is opt-in: the engine has not run it on a GPU yet, and its launch costs
+    more host time than the pointer kernel's (see _decode_tma_kernel)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
@@ -620,9 +621,10 @@ def paged_attention_with(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, q.device)
     split_size = triton.cdiv(triton.cdiv(max_context, num_splits), decode.block_n) * decode.block_n
     num_splits = triton.cdiv(max_context, split_size)
-    if use_tma and (why := tma_decode_unsupported(q, k_cache, v_cache)):
+    why = "not asked for" if use_tma is False else tma_decode_unsupported(q, k_cache, v_cache)
+    if use_tma and why:
         raise ValueError(f"the TMA decode kernel cannot serve these caches: {why}")
-    if use_tma and not multi and num_splits == 1:
+    if why is None and not multi and num_splits == 1:
         _decode_tma(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale_log2,
                     precision, tma or TmaDecodeConfig())
     else:
