@@ -298,18 +298,24 @@ CONTROL_CONFIGS = ((1, 1, 1, 3), (1, 1, 1, 4), (1, 1, 2, 4), (1, 1, 2, 6), (1, 1
                    (4, 4, 4, 3), (4, 4, 4, 4), (8, 8, 4, 2), (8, 8, 8, 2), (8, 8, 4, 3))
 
 
+# the benchmark case: B sequences of CTX tokens, HEADS / KVH heads of dimension D, bf16
+B, CTX, HEADS, KVH, D = 64, 2048, 32, 8, 128
+KV_BYTES = 2 * B * CTX * KVH * D * 2  # K and V, read once
+SCALE = D ** -0.5
+
+
+def record(rows: list[dict], name: str, ms: float, label: str = "", **extra: object) -> None:
+    """One timing: into rows (with its effective KV bandwidth) and printed, after label."""
+    rows.append({"name": name, "ms": ms, "TBps": KV_BYTES / ms / 1e9, **extra})
+    print(f"{label}{name:70s} {ms:.4f} ms {KV_BYTES / ms / 1e9:.3f} TB/s", flush=True)
+
+
 def chunked(bench: Bench) -> list[dict]:
     """Block ids a chunk at a time (decode and its read-only control) against the shipped kernel,
     SDPA, the ids-ahead read control and the contiguous read control, block 16."""
     rows: list[dict] = []
-    b, ctx, heads, kvh, d, bs = 64, 2048, 32, 8, 128, 16
-    kv_bytes = 2 * b * ctx * kvh * d * 2
-    scale = d ** -0.5
-
-    def record(name: str, ms: float, config: tuple = ()) -> None:
-        rows.append({"block": bs, "name": name, "ms": ms, "TBps": kv_bytes / ms / 1e9, "config": config})
-        print(f"{name:70s} {ms:.4f} ms {kv_bytes / ms / 1e9:.3f} TB/s", flush=True)
-
+    b, ctx, heads, kvh, d, scale, bs = B, CTX, HEADS, KVH, D, SCALE, 16
+    add = partial(record, rows, block=bs)
     ragged = bench.paged_batch([(n, 1) for n in torch.randint(1, 3000, (24,)).tolist()], heads, kvh, d, bs)
     ref = reference.paged_attention(*ragged, scale)
     batch = bench.paged_batch([(ctx, 1)] * b, heads, kvh, d, bs)
@@ -319,39 +325,39 @@ def chunked(bench: Bench) -> list[dict]:
     qb = q.view(b, heads, 1, d)
     sdpa = partial(F.scaled_dot_product_attention, qb, kc, vc, scale=scale, enable_gqa=True)
     shipped = partial(paged_attention_with, *batch[:5], batch[5], scale, max_query_len=1, decode=DecodeConfig())
-    record("peer: SDPA on contiguous KV (#0)", bench.time_ms(sdpa))
-    record("shipped default (#0)", bench.time_ms(shipped))
+    add("peer: SDPA on contiguous KV (#0)", bench.time_ms(sdpa))
+    add("shipped default (#0)", bench.time_ms(shipped))
     for chunk, warps, stages in CHUNK_CONFIGS:
         name = f"TMA decode chunk={chunk} warps={warps} stages={stages}"
         err = rel(chunk_decode(*ragged[:5], scale, chunk, warps, stages), ref)
         if err > 2e-2:
             print(f"{name}: WRONG ({err:.1e})", flush=True)
             continue
-        record(name, bench.time_ms(partial(chunk_decode, *batch[:5], scale, chunk, warps, stages)),
-               (chunk, warps, stages))
+        add(name, bench.time_ms(partial(chunk_decode, *batch[:5], scale, chunk, warps, stages)),
+            config=(chunk, warps, stages))
     for chunk, flat, warps, stages in CHUNK_READ_CONFIGS:
         name = f"read-only chunk={chunk} flat={flat} warps={warps} stages={stages}"
         run = partial(chunk_read, k_cache, v_cache, tables, ctx, chunk, flat, warps, stages)
         if (err := rel(run(), sums)) > 1e-2:
             print(f"{name}: WRONG ({err:.1e})", flush=True)
             continue
-        record(name, bench.time_ms(run))
+        add(name, bench.time_ms(run))
     for warps, stages in ((2, 4), (4, 4)):
-        record(f"read-only ids ahead warps={warps} stages={stages}",
+        add(f"read-only ids ahead warps={warps} stages={stages}",
                bench.time_ms(partial(read_only, k_cache, v_cache, tables, ctx, warps, stages)))
     for tokens, warps, stages in ((16, 2, 4), (128, 4, 3)):
-        record(f"read-only contiguous KV tokens/box={tokens} warps={warps} stages={stages}",
+        add(f"read-only contiguous KV tokens/box={tokens} warps={warps} stages={stages}",
                bench.time_ms(partial(read_contiguous, kc, vc, tokens, warps, stages)))
-    record("peer: SDPA on contiguous KV (#1)", bench.time_ms(sdpa))
-    record("shipped default (#1)", bench.time_ms(shipped))
+    add("peer: SDPA on contiguous KV (#1)", bench.time_ms(sdpa))
+    add("shipped default (#1)", bench.time_ms(shipped))
     decode = sorted((r for r in rows if r["name"].startswith("TMA decode")), key=lambda r: r["ms"])[:2]
     for r in decode:
-        record(f"{r['name']} again", bench.time_ms(partial(chunk_decode, *batch[:5], scale, *r["config"])))
+        add(f"{r['name']} again", bench.time_ms(partial(chunk_decode, *batch[:5], scale, *r["config"])))
     for other in (32, 64):
         batch = bench.paged_batch([(ctx, 1)] * b, heads, kvh, d, other)
         for r in decode:
-            record(f"block={other} {r['name']}", bench.time_ms(partial(chunk_decode, *batch[:5], scale, *r["config"])))
-        record(f"block={other} shipped default", bench.time_ms(
+            add(f"block={other} {r['name']}", bench.time_ms(partial(chunk_decode, *batch[:5], scale, *r["config"])))
+        add(f"block={other} shipped default", bench.time_ms(
             partial(paged_attention_with, *batch[:5], batch[5], scale, max_query_len=1, decode=DecodeConfig())))
     return rows
 
@@ -361,23 +367,19 @@ def compare(bench: Bench) -> list[dict]:
     H200s lent differ by a few percent from call to call). At 3b0cec7 it also timed this script's
     own copy of the chunked kernel, since replaced by the shipped one."""
     rows: list[dict] = []
-    b, ctx, heads, kvh, d = 64, 2048, 32, 8, 128
-    kv_bytes = 2 * b * ctx * kvh * d * 2
-    scale = d ** -0.5
+    b, ctx, heads, kvh, d, scale = B, CTX, HEADS, KVH, D, SCALE
     for bs in (16, 32):
         batch = bench.paged_batch([(ctx, 1)] * b, heads, kvh, d, bs)
         kc, vc = bench.contiguous_kv(batch, ctx)
         runs = {
             "peer: SDPA on contiguous KV": partial(F.scaled_dot_product_attention, batch[0].view(b, heads, 1, d), kc,
                                                    vc, scale=scale, enable_gqa=True),
-            "shipped default (TMA)": partial(paged_attention_with, *batch, scale, max_query_len=1),
-            "shipped pointer kernel": partial(paged_attention_with, *batch, scale, max_query_len=1, use_tma=False),
+            "shipped TMA kernel": partial(paged_attention_with, *batch, scale, max_query_len=1, use_tma=True),
+            "shipped pointer kernel (the default)": partial(paged_attention_with, *batch, scale, max_query_len=1),
         }
         for rnd in range(3):
             for name, fn in runs.items():
-                ms = bench.time_ms(fn)
-                rows.append({"block": bs, "round": rnd, "name": name, "ms": ms, "TBps": kv_bytes / ms / 1e9})
-                print(f"block={bs} round {rnd} {name:40s} {ms:.4f} ms", flush=True)
+                record(rows, name, bench.time_ms(fn), f"block={bs} round {rnd} ", block=bs, round=rnd)
         del batch, kc, vc
     return rows
 
@@ -397,9 +399,7 @@ def main() -> None:
         (args.out / "exp_decode_compare.json").write_text(json.dumps(compare(bench), indent=1))
         return
     rows: list[dict] = []
-    b, ctx, heads, kvh, d = 64, 2048, 32, 8, 128
-    kv_bytes = 2 * b * ctx * kvh * d * 2
-    scale = d ** -0.5
+    b, ctx, heads, kvh, d, scale = B, CTX, HEADS, KVH, D, SCALE
     variants = [("shipped default", None)]
     for hp, warps, stages, ahead in TMA_CONFIGS:
         name = (f"tma heads/program={hp} warps={warps} stages={stages} ids_ahead={ahead}" if hp > 1
@@ -413,9 +413,8 @@ def main() -> None:
     def shipped(q, k, v, t, s, sc, qsl):
         return paged_attention_with(q, k, v, t, s, qsl, sc, max_query_len=1, decode=DecodeConfig())
 
-    def record(bs: int, name: str, ms: float, **extra: float) -> None:
-        rows.append({"block": bs, "name": name, "ms": ms, "TBps": kv_bytes / ms / 1e9, **extra})
-        print(f"block={bs} {name:60s} {ms:.4f} ms {kv_bytes / ms / 1e9:.3f} TB/s", flush=True)
+    def add(bs: int, name: str, ms: float, **extra: float) -> None:
+        record(rows, name, ms, f"block={bs} ", block=bs, **extra)
 
     for bs in (16, 32, 64):
         # correctness on ragged lengths first, then timing on the benchmark case
@@ -438,7 +437,7 @@ def main() -> None:
                 traceback.print_exc(limit=2)
                 rows.append({"block": bs, "name": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 continue
-            record(bs, name, ms, err=err)
+            add(bs, name, ms, err=err)
         if bs == 16:
             kc, vc = bench.contiguous_kv(batch, ctx)
             qb = batch[0].view(b, heads, 1, d)
@@ -446,10 +445,10 @@ def main() -> None:
             best = min(timed, key=lambda r: r["ms"])["name"] if timed else None
             for rep in range(2):
                 if best:
-                    record(bs, f"{best} again (#{rep})", bench.time_ms(partial(dict(variants)[best], *batch[:5], scale)))
-                record(bs, f"peer: SDPA on contiguous KV (#{rep})",
+                    add(bs, f"{best} again (#{rep})", bench.time_ms(partial(dict(variants)[best], *batch[:5], scale)))
+                add(bs, f"peer: SDPA on contiguous KV (#{rep})",
                        bench.time_ms(partial(F.scaled_dot_product_attention, qb, kc, vc, scale=scale, enable_gqa=True)))
-                record(bs, f"shipped default again (#{rep})", bench.time_ms(partial(shipped, *batch[:5], scale, batch[5])))
+                add(bs, f"shipped default again (#{rep})", bench.time_ms(partial(shipped, *batch[:5], scale, batch[5])))
             # the control on SDPA's own contiguous layout, then SDPA again
             want = kc.float().sum(2) + vc.float().sum(2)
             for tokens, warps, stages in ((16, 1, 4), (16, 2, 4), (64, 2, 3), (64, 4, 3), (64, 4, 4), (128, 4, 2),
@@ -459,9 +458,9 @@ def main() -> None:
                 if err > 1e-2:
                     print(f"read-only contiguous {tokens}x{warps}x{stages}: WRONG ({err:.1e})", flush=True)
                     continue
-                record(bs, f"read-only contiguous KV tokens/box={tokens} warps={warps} stages={stages}",
+                add(bs, f"read-only contiguous KV tokens/box={tokens} warps={warps} stages={stages}",
                        bench.time_ms(run))
-            record(bs, "peer: SDPA on contiguous KV (#2)",
+            add(bs, "peer: SDPA on contiguous KV (#2)",
                    bench.time_ms(partial(F.scaled_dot_product_attention, qb, kc, vc, scale=scale, enable_gqa=True)))
             del kc, vc
         del batch
@@ -487,7 +486,7 @@ def main() -> None:
                 if order == "random" and err > 1e-2:
                     print(f"block={bs} {name}: WRONG ({err:.1e})", flush=True)
                     break
-                record(bs, name, bench.time_ms(run))
+                add(bs, name, bench.time_ms(run))
         del k_cache, v_cache, tables, sequential
     (args.out / "exp_decode_paging.json").write_text(json.dumps(rows, indent=1))
 
