@@ -9,6 +9,7 @@ import pytest
 import torch
 from paged_batches import DECODE, MIXED, Batch, dense_float64, make_batch
 
+from kvpilot.kernels import paged_attention as pa
 from kvpilot.kernels import reference
 from kvpilot.kernels.paged_attention import (
     DecodeConfig,
@@ -232,11 +233,18 @@ def test_env_opts_the_engine_entry_into_tma_where_it_can_read(
 ) -> None:
     """KVPILOT_DECODE_TMA=1 through the checked entry the engine calls: head-major 16-token
     caches take the TMA kernel, 8-token ones (which it cannot read) stay on the pointer kernel
-    instead of raising, and both are right."""
-    monkeypatch.setenv("KVPILOT_DECODE_TMA", "1")
+    instead of raising, and both are right. The TMA launcher is wrapped, not replaced, to see
+    which kernel ran."""
+    launches: list[int] = []
+    real = pa._decode_tma
+    monkeypatch.setattr(pa, "_decode_tma", lambda *args: launches.append(1) or real(*args))
     batch = head_major_batch(make_batch(TMA_DECODE[:6], 8, 2, 64, block_size, torch.float32, device))
-    out = paged_attention(*batch, 0.125, max_query_len=1)
-    assert rel_err(out, reference.paged_attention(*batch, 0.125)) < tolerance(torch.float32, device)
+    for opted_in in (False, True):
+        if opted_in:
+            monkeypatch.setenv("KVPILOT_DECODE_TMA", "1")
+        out = paged_attention(*batch, 0.125, max_query_len=1)
+        assert rel_err(out, reference.paged_attention(*batch, 0.125)) < tolerance(torch.float32, device)
+    assert len(launches) == (1 if block_size == 16 else 0)
 
 
 @pytest.mark.parametrize("block_size,head_dim,head_major,message", [
