@@ -54,3 +54,13 @@ def select(device: torch.device | str) -> ModuleType:
     if torch.device(device).type == "cpu" and cpu_ops.available():
         return cpu_ops
     return reference
+
+
+def for_graphs(impl: ModuleType) -> ModuleType:
+    """The ops to record into a CUDA graph in place of `impl`'s: the Triton ops pick kernels that
+    run faster on the device but cost more host time to launch (`triton_graph_ops`); the others
+    are the same either way."""
+    if impl.__name__ != "kvpilot.kernels.triton_ops":
+        return impl
+    from kvpilot.kernels import triton_graph_ops
+    return triton_graph_ops

@@ -487,21 +487,32 @@ def _check(
     check_contiguous("query_start_loc", query_start_loc)
 
 
+TMA_SWITCH = "KVPILOT_DECODE_TMA"
+TMA_SWITCH_VALUES = ("graphs", "1", "0")
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
+    *, in_graph: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
     `max_query_len` (the longest sequence's new tokens, known to the caller without a sync) lets
     an all-decode batch run the decode kernel built for one token per sequence.
-    `KVPILOT_DECODE_TMA=1` opts into the TMA decode kernel wherever it can read the caches
-    (`tma_decode_unsupported`; elsewhere the pointer kernel runs as before)."""
+    `in_graph` says the launch is being recorded into a CUDA graph (triton_graph_ops): there the
+    TMA decode kernel runs wherever it can read the caches (`tma_decode_unsupported`), since a
+    replay skips the host work that makes its launch dearer than the pointer kernel's. The
+    KVPILOT_DECODE_TMA switch overrides that: `1` takes the TMA kernel in eager launches too,
+    `0` never takes it, `graphs` (the default) as above."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if max_query_len is not None and not 0 <= max_query_len <= q.shape[0]:
         raise ValueError(f"max_query_len must be between 0 and num_tokens ({q.shape[0]}), got {max_query_len}")
+    switch = os.environ.get(TMA_SWITCH, "graphs")
+    if switch not in TMA_SWITCH_VALUES:
+        raise ValueError(f"{TMA_SWITCH} must be one of {', '.join(TMA_SWITCH_VALUES)}, not {switch!r}")
+    wants_tma = switch == "1" or (in_graph and switch == "graphs")
     return paged_attention_with(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                max_query_len=max_query_len,
-                                use_tma=None if os.environ.get("KVPILOT_DECODE_TMA") == "1" else False)
+                                max_query_len=max_query_len, use_tma=None if wants_tma else False)
 
 
 def tma_decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.kernels import ops, reference, triton_ops
+from kvpilot.kernels import cpu_ops, ops, reference, triton_graph_ops, triton_ops
 
 
 def test_env_forces_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,3 +37,14 @@ def test_unknown_env_value_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_triton_ops_defines_every_op() -> None:
     for name in ("paged_attention", "write_kv_cache", "rms_norm", "fused_add_rms_norm", "rotary_embedding"):
         assert callable(getattr(triton_ops, name))
+
+
+def test_graphs_record_triton_attention_as_captured_and_the_rest_unchanged() -> None:
+    graph_ops = ops.for_graphs(triton_ops)
+    assert graph_ops is triton_graph_ops
+    for name in ("write_kv_cache", "rms_norm", "fused_add_rms_norm", "rotary_embedding"):
+        assert getattr(graph_ops, name) is getattr(triton_ops, name)
+    assert graph_ops.paged_attention.func is triton_ops.paged_attention
+    assert graph_ops.paged_attention.keywords == {"in_graph": True}
+    for impl in (reference, cpu_ops):
+        assert ops.for_graphs(impl) is impl

@@ -228,23 +228,36 @@ def test_tma_decode_leaves_padding_rows_alone(device: torch.device) -> None:
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_env_opts_the_engine_entry_into_tma_where_it_can_read(
+def test_graph_launches_and_the_switch_pick_the_tma_kernel_where_it_can_read(
     block_size: int, device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """KVPILOT_DECODE_TMA=1 through the checked entry the engine calls: head-major 16-token
-    caches take the TMA kernel, 8-token ones (which it cannot read) stay on the pointer kernel
-    instead of raising, and both are right. The TMA launcher is wrapped, not replaced, to see
-    which kernel ran."""
+    """Through the checked entry the engine calls: launches recorded into a CUDA graph
+    (in_graph) take the TMA kernel on head-major 16-token caches, eager ones do not, and
+    KVPILOT_DECODE_TMA=1 / 0 turns it on everywhere / off everywhere. 8-token caches (which it
+    cannot read) stay on the pointer kernel instead of raising. Every output is checked. The TMA
+    launcher is wrapped, not replaced, to see which kernel ran."""
     launches: list[int] = []
     real = pa._decode_tma
     monkeypatch.setattr(pa, "_decode_tma", lambda *args: launches.append(1) or real(*args))
     batch = head_major_batch(make_batch(TMA_DECODE[:6], 8, 2, 64, block_size, torch.float32, device))
-    for opted_in in (False, True):
-        if opted_in:
-            monkeypatch.setenv("KVPILOT_DECODE_TMA", "1")
-        out = paged_attention(*batch, 0.125, max_query_len=1)
-        assert rel_err(out, reference.paged_attention(*batch, 0.125)) < tolerance(torch.float32, device)
-    assert len(launches) == (1 if block_size == 16 else 0)
+    expected = reference.paged_attention(*batch, 0.125)
+    for switch, in_graph, takes_tma in [(None, False, False), (None, True, True), ("graphs", True, True),
+                                        ("1", False, True), ("0", True, False), ("0", False, False)]:
+        if switch is None:
+            monkeypatch.delenv("KVPILOT_DECODE_TMA", raising=False)
+        else:
+            monkeypatch.setenv("KVPILOT_DECODE_TMA", switch)
+        before = len(launches)
+        out = paged_attention(*batch, 0.125, max_query_len=1, in_graph=in_graph)
+        assert rel_err(out, expected) < tolerance(torch.float32, device)
+        assert len(launches) - before == (takes_tma and block_size == 16), (switch, in_graph)
+
+
+def test_unknown_tma_switch_value_is_rejected(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPILOT_DECODE_TMA", "yes")
+    batch = head_major_batch(make_batch(TMA_DECODE[:2], 8, 2, 64, 16, torch.float32, device))
+    with pytest.raises(ValueError, match="KVPILOT_DECODE_TMA must be one of graphs, 1, 0, not 'yes'"):
+        paged_attention(*batch, 0.125, max_query_len=1)
 
 
 @pytest.mark.parametrize("block_size,head_dim,head_major,message", [
