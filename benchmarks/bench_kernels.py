@@ -26,7 +26,9 @@ import datetime
 import json
 import math
 import re
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -66,6 +68,7 @@ def gather_then_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    parser.add_argument("--tma-sweep", action="store_true", help="also time TMA decode configs (in graphs)")
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for the log files")
     parser.add_argument("--commit", default="unknown", help="git commit being measured")
     parser.add_argument("--merge", type=Path, help="merge a section file into RESULTS.md and exit")
@@ -73,13 +76,13 @@ def main() -> None:
     if args.merge:
         merge_section(args.merge.read_text())
         return
-    Bench(args.out, args.commit, args.sweep).run()
+    Bench(args.out, args.commit, args.sweep, args.tma_sweep).run()
 
 
 class Bench:
-    def __init__(self, out: Path, commit: str, sweep: bool) -> None:
+    def __init__(self, out: Path, commit: str, sweep: bool, tma_sweep: bool = False) -> None:
         self.torch, self.triton = torch, triton
-        self.out, self.commit, self.sweep = out, commit, sweep
+        self.out, self.commit, self.sweep, self.tma_sweep = out, commit, sweep, tma_sweep
         self.rows: list[dict[str, object]] = []
         self.notes: list[str] = []
         self.device = torch.device("cuda")
@@ -240,11 +243,40 @@ class Bench:
             self.record("decode", f"best block={block_size}", best, TBps=kv_bytes / best / 1e9,
                         of_copy=kv_bytes / best / 1e9 / copy_rate)
 
+    def replayed_ms(self, fn: Callable[[], object]) -> tuple[float, float]:
+        """fn captured into a CUDA graph, then replayed: (cold, warm) median ms. Cold is do_bench
+        over replays, L2 flushed before each as in time_ms, and no host launch work in the timing
+        (a replay's own launch hides behind the flush); warm is do_bench_cudagraph, back-to-back
+        replays without a flush (537 MB of K/V against a 50 MB L2: some of it is still there)."""
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile and warm up outside the capture
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        cold = self.time_ms(graph.replay)
+        warm = float(self.triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+        return cold, warm
+
+    def launch_us(self, fn: Callable[[], object], n: int = 200) -> float:
+        """Host microseconds per eager launch (n launches, then one sync)."""
+        fn()
+        self.torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = time.perf_counter() - start
+        self.torch.cuda.synchronize()
+        return host / n * 1e6
+
     def _decode_in_graphs(self, batch: tuple, block_size: int, ctx: int, kv_bytes: int) -> None:
-        """The pointer and TMA kernels and SDPA replayed from CUDA graphs, as the engine decodes:
-        no host time between launches (the TMA launch encodes two tensor maps on the host), and no
-        L2 flush between replays (537 MB of K/V against a 50 MB L2)."""
-        from kvpilot.kernels.paged_attention import paged_attention_with
+        """The pointer and TMA kernels and SDPA replayed from CUDA graphs, as the engine decodes
+        (the engine's decode graphs take the TMA kernel where it can read the caches), cold and
+        warm (replayed_ms); and each one's host time per eager launch. --tma-sweep adds TMA configs."""
+        from kvpilot.kernels.paged_attention import TmaDecodeConfig, paged_attention_with
 
         b, heads, d = batch[3].shape[0], batch[0].shape[1], batch[0].shape[2]
         k, v = self.contiguous_kv(batch, ctx)
@@ -252,10 +284,18 @@ class Bench:
                 "TMA kernel": partial(paged_attention_with, *batch, d ** -0.5, max_query_len=1, use_tma=True),
                 "peer: SDPA on contiguous KV": partial(F.scaled_dot_product_attention, batch[0].view(b, heads, 1, d),
                                                        k, v, scale=d ** -0.5, enable_gqa=True)}
-        for rnd in range(2):
-            for name, fn in runs.items():  # do_bench_cudagraph runs fn once before capturing it
-                ms = float(self.triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
-                self.record("graphs", f"block={block_size} {name} (#{rnd})", ms, TBps=kv_bytes / ms / 1e9)
+        if self.tma_sweep:
+            for chunk, warps, stages in ((32, 1, 4), (32, 1, 2), (32, 2, 3), (64, 1, 3), (16, 1, 3), (32, 2, 4)):
+                cfg = TmaDecodeConfig(chunk, warps, stages)
+                runs[f"TMA {cfg}"] = partial(paged_attention_with, *batch, d ** -0.5, max_query_len=1,
+                                             use_tma=True, tma=cfg)
+        for rnd in range(3):  # interleaved rounds: the spread between them is the noise
+            for name, fn in runs.items():
+                cold, warm = self.replayed_ms(fn)
+                self.record("graphs", f"block={block_size} {name} (#{rnd})", cold, TBps=kv_bytes / cold / 1e9,
+                            warm_ms=warm)
+        for name in ("pointer kernel", "TMA kernel", "peer: SDPA on contiguous KV"):
+            self.record("launch", f"block={block_size} {name}", self.launch_us(runs[name]) / 1e3)
 
     def bench_split(self, copy_rate: float) -> None:
         from kvpilot.kernels.paged_attention import DecodeConfig, paged_attention_with
@@ -412,12 +452,17 @@ class Bench:
             tma = f"triton block={b} TMA kernel (use_tma=True)"
             lines.append(f"| decode block {b}, TMA kernel (opt-in) | {ms('decode', tma):.4f} ms | "
                          f"{get('decode', tma, 'TBps'):.2f} TB/s ({get('decode', tma, 'of_copy'):.1%} of copy) | — | |")
-            replayed = {k: min(ms("graphs", f"block={b} {k} (#{r})") for r in (0, 1))
-                        for k in ("pointer kernel", "TMA kernel", "peer: SDPA on contiguous KV")}
-            lines.append(f"| decode block {b} replayed from CUDA graphs (best of 2): pointer / TMA / SDPA | "
-                         f"{replayed['pointer kernel']:.4f} / {replayed['TMA kernel']:.4f} / "
-                         f"{replayed['peer: SDPA on contiguous KV']:.4f} ms | TMA is "
-                         f"{replayed['peer: SDPA on contiguous KV'] / replayed['TMA kernel']:.3f}x SDPA | — | |")
+            kinds = ("pointer kernel", "TMA kernel", "peer: SDPA on contiguous KV")
+            cold = {k: statistics.median(ms("graphs", f"block={b} {k} (#{r})") for r in range(3)) for k in kinds}
+            warm = {k: statistics.median(get("graphs", f"block={b} {k} (#{r})", "warm_ms") for r in range(3))
+                    for k in kinds}
+            host = {k: ms("launch", f"block={b} {k}") * 1e3 for k in kinds}
+            for what, t in (("L2 flushed", cold), ("back to back, L2 warm", warm)):
+                lines.append(f"| decode block {b} replayed from CUDA graphs, {what} (median of 3 rounds): "
+                             f"pointer / TMA / SDPA | {' / '.join(f'{t[k]:.4f}' for k in kinds)} ms | "
+                             f"TMA is {t[kinds[2]] / t[kinds[1]]:.3f}x SDPA | — | |")
+            lines.append(f"| decode block {b}, host time per eager launch: pointer / TMA / SDPA | "
+                         f"{' / '.join(f'{host[k]:.0f}' for k in kinds)} µs | — | — | |")
         for peer, need in (("peer: SDPA on contiguous KV", 1.0), ("peer: gather blocks then SDPA", 2.9)):
             speedup = ms("decode", peer) / d16
             lines.append(f"| decode peer: {peer[6:]} | {ms('decode', peer):.4f} ms | "

@@ -13,6 +13,7 @@ import pytest
 import torch
 from tiny_models import hf_greedy, make_tiny_model
 
+from kvpilot.kernels import paged_attention as pa
 from kvpilot.runtime import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -38,8 +39,14 @@ def assert_all_blocks_free(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("kind,block_size", [("llama", 8), ("qwen2", 16), ("llama3-rope", 32), ("llama", 64)])
-def test_float32_on_cuda_matches_hf(kind: str, block_size: int, models) -> None:
+def test_float32_on_cuda_matches_hf(kind: str, block_size: int, models, monkeypatch: pytest.MonkeyPatch) -> None:
     folder, hf = models[kind]
+    # the decode graphs record the TMA kernel where it can read the caches (Hopper, block 16/32);
+    # its launcher is wrapped, not replaced, to see that it was recorded
+    tma_launches: list[int] = []
+    real = pa._decode_tma
+    monkeypatch.setattr(pa, "_decode_tma", lambda *args: tma_launches.append(1) or real(*args))
+    monkeypatch.delenv("KVPILOT_DECODE_TMA", raising=False)
     llm = LLM(folder, device="cuda", dtype="float32", max_model_len=256, block_size=block_size,
               enable_chunked_prefill=True, max_num_batched_tokens=48, max_num_seqs=4,
               gpu_memory_utilization=0.2)
@@ -54,6 +61,8 @@ def test_float32_on_cuda_matches_hf(kind: str, block_size: int, models) -> None:
     for prompt, out, n in zip(batch, outs, lengths, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, n)
     assert runner.graphs.replays > 0
+    tma_readable = block_size in pa.TMA_BLOCK_SIZES and torch.cuda.get_device_capability()[0] >= 9
+    assert bool(tma_launches) == tma_readable
     assert_all_blocks_free(llm)
 
 
