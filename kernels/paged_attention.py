@@ -351,8 +351,9 @@ def _decode_tma_kernel(
     The block ids come CHUNK at a time in one vector load and are picked out of registers, so no
     TMA coordinate waits on a load of the step before it: the pipeliner then streams the boxes
     num_stages deep. With each id loaded a step ahead instead, the same reads without the math
-    streamed 3% slower than TMA reads of contiguous KV (benchmarks/RESULTS.md). Whole chunks
-    first, then the remaining blocks one id load at a time, masked.
+    streamed 3% slower than TMA reads of contiguous KV (benchmarks/RESULTS.md). The full blocks go
+    by chunks (the last one partial, its ids loaded masked), then the partly filled last block, if
+    any, with its keys masked.
 
     Host cost: every launch has Triton's launcher encode two CUtensorMaps from the host
     TensorDescriptors, so an eager launch takes more host time than the pointer kernel's (how much
@@ -374,14 +375,14 @@ def _decode_tma_kernel(
     acc = tl.zeros([M, HEAD_DIM], tl.float32)
     keys = tl.arange(0, BLOCK_SIZE)
     c = tl.arange(0, CHUNK)
-    chunked = ctx // BLOCK_SIZE // CHUNK * CHUNK
-    for c0 in range(0, chunked, CHUNK):
-        ids = tl.load(table + c0 + c)
-        for j in range(0, CHUNK):
+    full = ctx // BLOCK_SIZE  # blocks holding BLOCK_SIZE tokens: no key mask
+    for c0 in range(0, full, CHUNK):
+        ids = tl.load(table + c0 + c, mask=c0 + c < full, other=0)
+        for j in range(0, tl.minimum(CHUNK, full - c0)):
             blk = tl.sum(tl.where(c == j, ids, 0))  # element j, from registers
             m_i, l_i, acc = _attend_block(q, k_desc, v_desc, blk, kvh, keys, m_i, l_i, acc, scale_log2,
                                           BLOCK_SIZE, HEAD_DIM, False, PRECISION)
-    for b in range(chunked, tl.cdiv(ctx, BLOCK_SIZE)):  # masked: the last block may be partly filled
+    for b in range(full, tl.cdiv(ctx, BLOCK_SIZE)):  # the partly filled last block, if any: masked
         m_i, l_i, acc = _attend_block(q, k_desc, v_desc, tl.load(table + b), kvh, b * BLOCK_SIZE + keys < ctx,
                                       m_i, l_i, acc, scale_log2, BLOCK_SIZE, HEAD_DIM, True, PRECISION)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

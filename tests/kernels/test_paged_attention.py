@@ -183,8 +183,8 @@ def head_major_batch(batch: Batch) -> Batch:
     return (q, head_major_copy(k_cache), head_major_copy(v_cache), *rest)  # type: ignore[return-value]
 
 
-# contexts around every edge of the TMA kernel's loops at chunk 4: whole chunks (4 blocks), whole
-# blocks past them, a partly filled last block, and sequences shorter than one block
+# contexts around every edge of the TMA kernel's loops at chunk 4: whole chunks (4 blocks), a partial
+# chunk past them, a partly filled last block, and sequences shorter than one block
 TMA_DECODE = [(1, 1), (15, 1), (16, 1), (17, 1), (64, 1), (65, 1), (96, 1), (200, 1), (300, 1)]
 TMA_MIXED = [(37, 5), (20, 1), (130, 1), (19, 19), (70, 1), (33, 16), (300, 1)]
 
