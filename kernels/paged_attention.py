@@ -17,11 +17,14 @@ Three kernels share the work, with no host synchronisation:
   (row m -> token m // GROUP, head m % GROUP), so K/V tiles are shared by the group here too.
   Sequence i owns the program ids starting at qsl[i] // BLOCK_Q + i (an upper bound on the tiles
   it needs, found by binary search), so the grid is known from shapes alone.
-* `_decode_tma_kernel`, grid (num_kv_heads, num_seqs), opt-in (use_tma): on Hopper and later,
-  single-token decode over unsplit contexts when the caller passes max_query_len, in place of
-  `_decode_kernel`: the same GQA packing, one cache block per step fetched by TMA (one bulk copy
-  per (block, KV head) run of a head-major cache), block ids loaded a chunk at a time (see the
-  kernel). On an H200 it ran 0.4-1.8% faster than `_decode_kernel` (benchmarks/RESULTS.md).
+* `_decode_tma_kernel`, grid (num_kv_heads, num_seqs), where use_tma asks for it (the engine's
+  decode CUDA graphs do): on Hopper and later, single-token decode over unsplit contexts when the
+  caller passes max_query_len, in place of `_decode_kernel`: the same GQA packing, one cache block
+  per step fetched by TMA (one bulk copy per (block, KV head) run of a head-major cache), block
+  ids loaded a chunk at a time (see the kernel). On an H200, replayed from CUDA graphs, it ran
+  0.3-0.4% faster than `_decode_kernel` at block 16 and 1.2% at block 32 on 2048-token contexts,
+  8% faster at block 32 on ragged ones (TMA_DEFAULTS, benchmarks/RESULTS.md); its eager launch
+  costs more host time (see the kernel), so eager launches keep `_decode_kernel`.
 A decode kernel takes the sequences with q_len == 1 and the prefill kernel those with more.
 Without a sync the launcher cannot tell an all-decode batch from one with as many tokens as
 sequences where some are empty and others long; when the caller passes max_query_len (the engine
@@ -78,21 +81,30 @@ class DecodeConfig:
 MULTI_DECODE = DecodeConfig(block_n=128, num_warps=4, num_stages=2)
 
 
-# The TMA decode kernel (Hopper and later, see _decode_tma_kernel). Picked on an H200 by
-# `benchmarks/exp_decode_paging.py --chunked` at 742fe1e and b7787f3 (the script's own copy of this
-# kernel then), B=64 x 2048, block 16: (32, 1, 3) 0.1338-0.1344 ms,
-# (32, 1, 4) 0.1338-0.1344, (64, 1, 4) 0.1343, (16, 1, 4) 0.1356, 2 warps 0.1368-0.1408, 4 warps
-# 0.1505-0.1578; SDPA on contiguous KV 0.1340-0.1348 and the pointer kernel 0.1357-0.1358 in the
-# same runs. At block 32 (32, 1, 3) ran 0.1326 (pointer kernel 0.1350); at block 64 0.1424
-# against the pointer kernel's 0.1352, so block 64 stays on the pointer kernel.
+# The TMA decode kernel (Hopper and later, see _decode_tma_kernel), one config per block size it
+# reads. Picked on an H200 with `benchmarks/bench_kernels.py --tma-sweep` at bd99605, each kernel
+# replayed from a CUDA graph with L2 flushed (as the engine's decode graphs run it), 3 rounds, B=64,
+# 32/8 heads, hd 128, bf16, (chunk, warps, stages):
+#   block 16, contexts 2048: (64, 1, 4) 0.1375-0.1376 ms, (64, 1, 3) 0.1368-0.1372, (128, 1, 3)
+#     0.1369-0.1371, (32, 1, 3) 0.1375-0.1376; pointer kernel 0.1380, SDPA (contiguous) 0.1371;
+#   block 16, contexts 200..2048: (64, 1, 4) 0.0967-0.0970, (32, 1, 4) 0.0981-0.0983, (128, 1, 3)
+#     0.0994-0.0997, (64, 1, 3) 0.0998-0.1000, (32, 1, 3) 0.1007-0.1010; pointer 0.0970-0.0976.
+#     Ragged batches leave the longest sequences streaming alone at the end, where a program's
+#     bytes in flight (stages x 8 KiB at block 16) set the pace: hence 4 stages;
+#   block 32, contexts 2048: (64, 1, 3) 0.1361-0.1362, (32, 1, 3) 0.1360-0.1362, (64, 1, 4) 0.1371-
+#     0.1373; pointer 0.1376-0.1377, SDPA 0.1370-0.1373; contexts 200..2048: (64, 1, 3) 0.0906-0.0907,
+#     (32, 1, 3) 0.0903-0.0905, (64, 1, 4) 0.0919-0.0923; pointer 0.0982-0.0985.
+# 2 warps ran 0.1409-0.1412 at block 16 (8f1c545). At block 64 the kernel ran 0.1424 against the
+# pointer kernel's 0.1352 (exp_decode_paging.py at b7787f3), so 64-token blocks stay on the latter.
 @dataclass(frozen=True)
 class TmaDecodeConfig:
-    chunk: int = 32  # block ids loaded per vector load
+    chunk: int = 64  # block ids loaded per vector load
     num_warps: int = 1
     num_stages: int = 3
 
 
-TMA_BLOCK_SIZES = (16, 32)
+TMA_DEFAULTS = {16: TmaDecodeConfig(num_stages=4), 32: TmaDecodeConfig()}
+TMA_BLOCK_SIZES = tuple(TMA_DEFAULTS)
 
 
 @dataclass(frozen=True)
@@ -356,8 +368,10 @@ def _decode_tma_kernel(
     any, with its keys masked.
 
     Host cost: every launch has Triton's launcher encode two CUtensorMaps from the host
-    TensorDescriptors, so an eager launch takes more host time than the pointer kernel's (how much
-    is not measured yet); under a CUDA graph it is paid once, at capture."""
+    TensorDescriptors. An eager launch through paged_attention_with took 83-151 µs of host time
+    on the H200's host against 50-94 µs for the pointer kernel and 17-30 µs for SDPA (bench_kernels,
+    two calls), more than the device time it saves; under a CUDA graph it is paid once, at
+    capture."""
     kvh = tl.program_id(0)
     seq = tl.program_id(1)
     tok = tl.load(qsl_ptr + seq)
@@ -603,8 +617,7 @@ def paged_attention_with(
     use_tma runs the single-token sequences through _decode_tma_kernel (Hopper or later, caches
     as tma_decode_unsupported says) when max_query_len is given and the context is not split:
     True asks for it (ValueError where it cannot read the caches), None takes it where it can,
-    False never does. It is opt-in: the engine has not run it on a GPU yet, and its launch costs
-    more host time than the pointer kernel's (see _decode_tma_kernel)."""
+    False never does. `tma` defaults to TMA_DEFAULTS for the cache's block size."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
@@ -638,7 +651,7 @@ def paged_attention_with(
         raise ValueError(f"the TMA decode kernel cannot serve these caches: {why}")
     if why is None and not multi and num_splits == 1:
         _decode_tma(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale_log2,
-                    precision, tma or TmaDecodeConfig())
+                    precision, tma or TMA_DEFAULTS[block_size])
     else:
         _decode_pointers(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale_log2,
                          precision, decode, num_splits, split_size, multi)

@@ -9,6 +9,10 @@ that `run` fills each step. Rows past n are padding: token 0 at position 0, a ca
 (the cache write skips it) and a context of one token (it reads some block's first slot; its
 output row is never used), so padding never touches a real sequence's cache.
 
+The graphs record the ops of `kernels.ops.for_graphs`: on Hopper GPUs paged attention there takes
+the TMA decode kernel, whose launch costs more host time than the device time it saves, which a
+replay does not pay (kernels/paged_attention.py).
+
 Graphs are captured when the runner starts (after the KV cache is allocated, largest first, into
 one shared memory pool) and again after a live block-size change, which replaces the cache
 tensors the graphs point to. Prefill and mixed steps, batches larger than the largest size, and

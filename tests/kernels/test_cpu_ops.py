@@ -4,6 +4,7 @@ the ops fall back to the reference."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -12,6 +13,10 @@ import torch
 from paged_batches import DECODE, MIXED, dense_float64, make_batch
 
 from kvpilot.kernels import cpu_ops, ops, reference
+
+# what the child interpreters need to import kvpilot as this one does (an install, or a folder of
+# import-name links on PYTHONPATH as benchmarks/run_on_gpu.sh makes)
+IMPORTS = {"PYTHONSAFEPATH": "1", **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler on this machine")
 
@@ -113,7 +118,7 @@ def test_without_a_compiler_cpu_falls_back_to_the_reference(tmp_path: pytest.Tem
     code = ("import logging; logging.basicConfig(); from kvpilot.kernels import ops, reference; "
             "assert ops.select('cpu') is reference; print('fell back')")
     env = {"CC": "/nonexistent/cc", "KVPILOT_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin",
-           "KVPILOT_KERNELS": "auto", "PYTHONSAFEPATH": "1"}
+           "KVPILOT_KERNELS": "auto", **IMPORTS}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "fell back" in proc.stdout
@@ -125,7 +130,7 @@ def test_without_a_compiler_cpu_falls_back_to_the_reference(tmp_path: pytest.Tem
 
 def test_the_build_is_reused_across_processes(tmp_path: pytest.TempPathFactory) -> None:
     code = "from kvpilot.kernels import cpu_ops; assert cpu_ops.available()"
-    env = {"KVPILOT_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONSAFEPATH": "1"}
+    env = {"KVPILOT_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", **IMPORTS}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     (built,) = (tmp_path / "cpu-kernels").glob("*.so")  # type: ignore[operator]
     first = built.stat().st_mtime_ns

@@ -209,8 +209,9 @@ def test_tma_decode_matches_reference(
 
 
 def test_tma_decode_default_chunk_and_float16(device: torch.device) -> None:
-    """The default chunk (32 block ids) on a context long enough for two chunks, in float16."""
-    batch = head_major_batch(make_batch([(1100, 1), (512, 1), (40, 1)], 8, 2, 64, 16, torch.float16, device))
+    """The default config (64 block ids a chunk) on contexts of two full chunks and a partial
+    one, one full and a partial, and a partial only, in float16."""
+    batch = head_major_batch(make_batch([(2100, 1), (1100, 1), (40, 1)], 8, 2, 64, 16, torch.float16, device))
     out = run_triton(batch, 0.125, hint=True, use_tma=True)
     assert rel_err(out, reference.paged_attention(*batch, 0.125)) < tolerance(torch.float16, device)
 
