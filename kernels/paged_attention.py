@@ -52,6 +52,7 @@ from kvpilot.kernels.checks import (
     check_shape,
     check_tensor,
 )
+from kvpilot.kernels.ops import tma_switch
 
 LOG2E = 1.4426950408889634
 MAX_GROUP = 16
@@ -502,10 +503,6 @@ def _check(
     check_contiguous("query_start_loc", query_start_loc)
 
 
-TMA_SWITCH = "KVPILOT_DECODE_TMA"
-TMA_SWITCH_VALUES = ("graphs", "1", "0")
-
-
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
@@ -522,9 +519,7 @@ def paged_attention(
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if max_query_len is not None and not 0 <= max_query_len <= q.shape[0]:
         raise ValueError(f"max_query_len must be between 0 and num_tokens ({q.shape[0]}), got {max_query_len}")
-    switch = os.environ.get(TMA_SWITCH, "graphs")
-    if switch not in TMA_SWITCH_VALUES:
-        raise ValueError(f"{TMA_SWITCH} must be one of {', '.join(TMA_SWITCH_VALUES)}, not {switch!r}")
+    switch = tma_switch()
     wants_tma = switch == "1" or (in_graph and switch == "graphs")
     return paged_attention_with(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                 max_query_len=max_query_len, use_tma=None if wants_tma else False)

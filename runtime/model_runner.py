@@ -76,8 +76,8 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.device.enforce_eager or self.tp.size > 1:
             return
         max_blocks = -(-self.config.model.max_model_len // self.block_size)
-        graphs = DecodeGraphs(model_forward(self.model, self.kv_caches, self.rope, kernel_ops.for_graphs(self.ops)),
-                              self.config.scheduler.max_num_seqs, max_blocks, self.device)
+        forward = model_forward(self.model, self.kv_caches, self.rope, kernel_ops.for_graphs(self.ops))
+        graphs = DecodeGraphs(forward, self.config.scheduler.max_num_seqs, max_blocks, self.device)
         with torch.inference_mode():
             graphs.capture_all()
         self.graphs = graphs

@@ -48,3 +48,11 @@ def test_graphs_record_triton_attention_as_captured_and_the_rest_unchanged() -> 
     assert graph_ops.paged_attention.keywords == {"in_graph": True}
     for impl in (reference, cpu_ops):
         assert ops.for_graphs(impl) is impl
+
+
+def test_unknown_tma_switch_value_fails_when_the_ops_are_picked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked when the runner picks its ops, on any device, not at the first decode step."""
+    monkeypatch.setenv("KVPILOT_DECODE_TMA", "yes")
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ValueError, match="KVPILOT_DECODE_TMA must be one of graphs, 1, 0, not 'yes'"):
+            ops.select(device)
