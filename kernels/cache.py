@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels.checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor
+from kvpilot.kernels.host import next_power_of_2
 
 
 @triton.jit
@@ -64,6 +65,6 @@ def write_kv_cache(
     _write_kv_cache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, H_PAD=triton.next_power_of_2(num_kv_heads),
-        D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, num_warps=4,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, H_PAD=next_power_of_2(num_kv_heads),
+        D_PAD=next_power_of_2(head_dim), BLOCK_SIZE=block_size, num_warps=4,
     )

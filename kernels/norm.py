@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels.checks import FLOAT_DTYPES, check_contiguous, check_shape, check_tensor
+from kvpilot.kernels.host import next_power_of_2
 
 
 @triton.jit
@@ -48,7 +49,7 @@ def _launch(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, weight: 
     num_tokens, hidden = x.shape
     if num_tokens == 0:
         return
-    block = triton.next_power_of_2(hidden)
+    block = next_power_of_2(hidden)
     _rms_norm_kernel[(num_tokens,)](
         out, x, residual, weight, eps, hidden, out.stride(0), x.stride(0), residual.stride(0),
         BLOCK=block, ADD_RESIDUAL=add_residual, num_warps=min(16, max(1, block // 512)),

@@ -52,6 +52,7 @@ from kvpilot.kernels.checks import (
     check_shape,
     check_tensor,
 )
+from kvpilot.kernels.host import cdiv, next_power_of_2
 from kvpilot.kernels.ops import tma_switch
 
 LOG2E = 1.4426950408889634
@@ -468,7 +469,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
     # at most one wave of two programs per SM: on an H200, B=4 x 32k (32 programs unsplit) ran
     # 0.150 ms with 8 slices (256 programs) but 0.203 ms with 9 (288: a second, nearly empty wave)
     by_occupancy = max(1, (2 * sms) // programs)
-    by_length = triton.cdiv(max_context, 512)  # keep each slice long enough to stream
+    by_length = cdiv(max_context, 512)  # keep each slice long enough to stream
     return max(1, min(by_occupancy, by_length, 64))
 
 
@@ -558,7 +559,7 @@ def _decode_tma(
     _decode_tma_kernel[(num_kv_heads, block_tables.shape[0])](
         out, q, *descs, block_tables, seq_lens, query_start_loc, scale_log2,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        GROUP=group, M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        GROUP=group, M=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         CHUNK=tma.chunk, PRECISION=precision, num_warps=tma.num_warps, num_stages=tma.num_stages,
     )
 
@@ -572,7 +573,7 @@ def _decode_pointers(
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
-    d_pad = max(16, triton.next_power_of_2(head_dim))
+    d_pad = max(16, next_power_of_2(head_dim))
     if num_splits > 1:
         part_out = torch.empty((num_tokens, num_heads, num_splits, d_pad), dtype=torch.float32,
                                device=q.device)
@@ -586,7 +587,7 @@ def _decode_pointers(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
-        GROUP=group, M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
+        GROUP=group, M=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=decode.block_n, SPLIT=num_splits > 1, MULTI=multi,
         PRECISION=precision, PREFETCH=decode.prefetch,
         num_warps=decode.num_warps, num_stages=decode.num_stages,
@@ -595,7 +596,7 @@ def _decode_pointers(
         _reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, seq_lens, query_start_loc, int(multi), split_size,
             out.stride(0), out.stride(1), num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
-            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=next_power_of_2(num_splits),
             num_warps=4,
         )
 
@@ -621,7 +622,7 @@ def paged_attention_with(
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    d_pad = max(16, triton.next_power_of_2(head_dim))
+    d_pad = max(16, next_power_of_2(head_dim))
     scale_log2 = scale * LOG2E
     # float32 caches get float32 products: Triton's default for a float32 dot is tf32 (~3e-4)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -639,8 +640,8 @@ def paged_attention_with(
     max_context = block_tables.shape[1] * block_size  # an upper bound known without a sync
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, q.device)
-    split_size = triton.cdiv(triton.cdiv(max_context, num_splits), decode.block_n) * decode.block_n
-    num_splits = triton.cdiv(max_context, split_size)
+    split_size = cdiv(cdiv(max_context, num_splits), decode.block_n) * decode.block_n
+    num_splits = cdiv(max_context, split_size)
     why = "not asked for" if use_tma is False else tma_decode_unsupported(q, k_cache, v_cache)
     if use_tma and why:
         raise ValueError(f"the TMA decode kernel cannot serve these caches: {why}")

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels.checks import FLOAT_DTYPES, check_contiguous, check_shape, check_tensor
+from kvpilot.kernels.host import next_power_of_2
 
 
 @triton.jit
@@ -67,7 +68,7 @@ def rotary_embedding(
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[1], HQ_PAD=triton.next_power_of_2(num_heads),
-        HK_PAD=triton.next_power_of_2(k.shape[1]), HALF=half, HALF_PAD=triton.next_power_of_2(half),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[1], HQ_PAD=next_power_of_2(num_heads),
+        HK_PAD=next_power_of_2(k.shape[1]), HALF=half, HALF_PAD=next_power_of_2(half),
         num_warps=4,
     )
