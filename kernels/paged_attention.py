@@ -22,9 +22,10 @@ Three kernels share the work, with no host synchronisation:
   caller passes max_query_len, in place of `_decode_kernel`: the same GQA packing, one cache block
   per step fetched by TMA (one bulk copy per (block, KV head) run of a head-major cache), block
   ids loaded a chunk at a time (see the kernel). On an H200, replayed from CUDA graphs, it ran
-  0.3-0.4% faster than `_decode_kernel` at block 16 and 1.2% at block 32 on 2048-token contexts,
-  8% faster at block 32 on ragged ones (TMA_DEFAULTS, benchmarks/RESULTS.md); its eager launch
-  costs more host time (see the kernel), so eager launches keep `_decode_kernel`.
+  0.3-0.8% faster than `_decode_kernel` at block 16 and 1.1-1.6% at block 32 on 2048-token
+  contexts (calls at bd99605 and a1dfb22), 8% faster at block 32 on ragged ones (TMA_DEFAULTS,
+  benchmarks/RESULTS.md); its eager launch costs more host time (see the kernel), so eager
+  launches keep `_decode_kernel`.
 A decode kernel takes the sequences with q_len == 1 and the prefill kernel those with more.
 Without a sync the launcher cannot tell an all-decode batch from one with as many tokens as
 sequences where some are empty and others long; when the caller passes max_query_len (the engine
@@ -371,8 +372,8 @@ def _decode_tma_kernel(
 
     Host cost: every launch has Triton's launcher encode two CUtensorMaps from the host
     TensorDescriptors. An eager launch through paged_attention_with took 83-151 µs of host time
-    on the H200's host against 50-94 µs for the pointer kernel and 17-30 µs for SDPA (bench_kernels,
-    two calls), more than the device time it saves; under a CUDA graph it is paid once, at
+    on the H200's host against 50-94 µs for the pointer kernel and 16-30 µs for SDPA (bench_kernels,
+    three calls), more than the device time it saves; under a CUDA graph it is paid once, at
     capture."""
     kvh = tl.program_id(0)
     seq = tl.program_id(1)
@@ -567,13 +568,13 @@ def _decode_tma(
 def _decode_pointers(
     out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale_log2: float, precision: str,
-    decode: DecodeConfig, num_splits: int, split_size: int, multi: bool,
+    decode: DecodeConfig, num_splits: int, split_size: int, multi: bool, d_pad: int,
+    cache_strides: tuple[int, ...],
 ) -> None:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
-    d_pad = max(16, next_power_of_2(head_dim))
     if num_splits > 1:
         part_out = torch.empty((num_tokens, num_heads, num_splits, d_pad), dtype=torch.float32,
                                device=q.device)
@@ -584,8 +585,7 @@ def _decode_pointers(
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         out, part_out, part_lse, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         scale_log2, split_size,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
         num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
         GROUP=group, M=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=decode.block_n, SPLIT=num_splits > 1, MULTI=multi,
@@ -650,7 +650,7 @@ def paged_attention_with(
                     precision, tma or TMA_DEFAULTS[block_size])
     else:
         _decode_pointers(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale_log2,
-                         precision, decode, num_splits, split_size, multi)
+                         precision, decode, num_splits, split_size, multi, d_pad, cache_strides)
     if not all_decode:
         block_q = prefill.block_m // group
         _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
