@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 RECONCILES = Counter("kvpilot_operator_reconciles", "InferenceService reconciles by result",
                      ["result"])  # success | retry | failed
@@ -12,6 +12,16 @@ CHILD_CHANGES = Counter("kvpilot_operator_child_changes", "Children written, by 
                         ["kind", "action"])
 RECONCILE_SECONDS = Histogram("kvpilot_operator_reconcile_duration_seconds", "Time of one reconcile",
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+# Autotuning, per InferenceService (namespace, name).
+SCRAPES = Counter("kvpilot_operator_scrapes", "Scrapes of serving pods' /metrics by result",
+                  ["namespace", "name", "result"])  # ok | error | timeout
+TUNING_DECISIONS = Counter("kvpilot_operator_tuning_decisions", "Autotuning decisions by outcome",
+                           ["namespace", "name", "outcome"])  # applied | canary | promoted | rolled_back | skipped
+TUNING_ROLLBACKS = Counter("kvpilot_operator_tuning_rollbacks", "Tuned configs rolled back",
+                           ["namespace", "name"])
+LIVE_BLOCK_SIZE = Gauge("kvpilot_operator_live_block_size", "KV block size each serving pod last reported",
+                        ["namespace", "name", "pod"])
 
 
 def serve(port: int, address: str = "0.0.0.0") -> None:
