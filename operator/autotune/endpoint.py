@@ -10,7 +10,7 @@ from dataclasses import dataclass
 class PodEndpoint:
     pod: str  # the Pod's name: the key of its window, its metric series and its status entry
     ip: str
-    port: int = 8000
+    port: int  # the serving container's port
 
     def __post_init__(self) -> None:
         if not self.pod:

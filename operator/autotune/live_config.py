@@ -45,9 +45,6 @@ class LiveConfig:
         mine = asdict(self)
         return {name: value for name, value in asdict(target).items() if mine[name] != value}
 
-    def describe(self) -> str:
-        return f"block_size {self.block_size}, {self.preemption_mode}"
-
 
 @dataclass(frozen=True)
 class EngineLimits:

@@ -190,8 +190,8 @@ def parse_metrics(text: str, time: float) -> Sample:
 
 def _take(values: dict[str, dict[Labels, _Series]], name: str, labels: dict[str, str], value: float) -> None:
     """Files one exposed sample under its metric's base name and its series' labels."""
-    le = labels.pop("le", None)
-    key = tuple(sorted(labels.items()))
+    le = labels.get("le")
+    key = tuple(sorted((k, v) for k, v in labels.items() if k != "le"))
     for suffix in ("_total", "_created", "_bucket", "_count", "_sum"):
         if name.endswith(suffix):
             base = name[: -len(suffix)]
@@ -226,5 +226,6 @@ def _settings(info: dict[Labels, _Series]) -> EngineSettings:
     labels = in_force[0]
     try:
         return EngineSettings(int(labels["block_size"]), labels["preemption_mode"], int(labels["num_gpu_blocks"]))
-    except (KeyError, ValueError) as e:
-        raise MetricsError(f"{CACHE_CONFIG_INFO} lacks a valid {e} label") from None
+    except (KeyError, ValueError):
+        raise MetricsError(f"{CACHE_CONFIG_INFO} needs integer block_size and num_gpu_blocks and a "
+                           f"preemption_mode label, not {labels}") from None

@@ -28,6 +28,7 @@ class Signals:
     preemptions_per_s: float
     swap_bytes_per_s: float
     mean_context_tokens: float | None
+    generation_tokens_per_s: float
     requests_per_s: float  # finished
     goodput_per_s: float  # finished requests that met the TTFT target (all of them without one)
     num_requests: int  # finished, all pods
@@ -50,6 +51,7 @@ def aggregate(summaries: Sequence[WindowSummary], slo: SloTargets) -> Signals:
         preemptions_per_s=fmean(s.preemptions_per_s for s in summaries),
         swap_bytes_per_s=fmean(s.swap_bytes_per_s for s in summaries),
         mean_context_tokens=fmean(contexts) if contexts else None,
+        generation_tokens_per_s=fmean(s.generation_tokens_per_s for s in summaries),
         requests_per_s=fmean(s.e2e.count / s.duration_s for s in summaries),
         goodput_per_s=fmean(_goodput(s, slo) for s in summaries),
         num_requests=sum(s.num_requests for s in summaries),

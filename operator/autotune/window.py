@@ -88,10 +88,10 @@ class MetricWindow:
             samples = samples[older[-1]:] if older else samples
         if len(samples) < 2:
             return None
-        return summarize_samples(self.pod, samples)
+        return _summarize(self.pod, samples)
 
 
-def summarize_samples(pod: str, samples: list[Sample]) -> WindowSummary:
+def _summarize(pod: str, samples: list[Sample]) -> WindowSummary:
     """`samples[0]` is the baseline; see the module docstring."""
     base, span = samples[0], samples[1:]
     duration = span[-1].time - base.time
