@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-e2e-ms", type=_positive, default=None, help="...and, when given, within this E2E")
     g.add_argument("--headroom", type=_fraction, default=0.8,
                    help="targets are the signals' values at this share of the highest rate meeting the SLO")
+    g.add_argument("--hpa-target", type=_positive, default=None, metavar="WAITING",
+                   help="hpa-queue's target, requests waiting per pod (default: as the builtin's, from the curve)")
     g.add_argument("--max-replicas", type=int, default=None, help="the policies' maxReplicas (default: 2x static)")
     g = parser.add_argument_group("cluster")
     g.add_argument("--startup-delay", type=float, default=120.0, metavar="SECONDS",
@@ -145,10 +147,11 @@ def _plan(args: argparse.Namespace, curve: CapacityCurve, trace: Trace, slo_rate
             continue
         targets[metric] = value
     if "waitingPerReplica" in targets:
-        spec = ScalingSpec(enabled=True, mode="hpa", metric="waitingPerReplica", target=targets["waitingPerReplica"],
+        target = args.hpa_target or targets["waitingPerReplica"]
+        spec = ScalingSpec(enabled=True, mode="hpa", metric="waitingPerReplica", target=target,
                            max_replicas=max_replicas)
         plan.policies.append(Policy("hpa-queue", spec, Pipeline(args.prometheus_interval, "latest"), initial))
-        plan.targets["hpa-queue"] = f"waiting {targets['waitingPerReplica']:.3g} per pod"
+        plan.targets["hpa-queue"] = f"waiting {target:.3g} per pod"
     else:
         plan.skipped["hpa-queue"] = plan.skipped["builtin-waitingPerReplica"]
     for metric, target in targets.items():

@@ -17,6 +17,21 @@ Some settings are the cluster's once an HPA does the scaling, so a spec that set
 mode that cannot honour them is refused rather than silently ignored: `window` and `interval`
 (with `mode: hpa` the prometheus-adapter rules fix the range and the HPA controller its sync
 period) are None when the CRD leaves them out, and take their mode's default.
+
+The CRD fields, under `spec.autoscaling` (defaults in brackets; the CRD gives no default to
+`window` and `interval`):
+    enabled: boolean [false]
+    mode: builtin | hpa | keda [builtin]
+    minReplicas: integer >= 1 [1]; maxReplicas: integer >= minReplicas [4]
+    metric: kvCacheUsage | waitingPerReplica | preemptionRate | ttftP99 [kvCacheUsage]
+    target: number > 0, <= 1 for kvCacheUsage [0.85]
+    tolerance: number in [0, 1) [0.1]
+    window, interval: duration such as 60s or 1m, not with mode hpa
+    behavior: scaleUp, scaleDown: {stabilizationWindowSeconds: 0..3600,
+        selectPolicy: Max | Min | Disabled [Max],
+        policies: [{type: Pods | Percent, value: integer >= 1, periodSeconds: 1..1800}] (1 or more)}
+        [scaleUp: 0 s, Percent 100 and Pods 4 per 15 s; scaleDown: 300 s, Percent 100 per 15 s]
+    prometheusAddress: http(s) URL, only with mode keda
 """
 
 from __future__ import annotations

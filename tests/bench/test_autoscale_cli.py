@@ -42,14 +42,15 @@ def test_a_short_day_writes_json_and_a_png(tmp_path: Path, capsys: pytest.Captur
     assert f"wrote {out}" in printed
 
 
-def test_a_trace_file_replaces_the_built_in_day(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_trace_file_replaces_the_built_in_day_and_the_hpa_target_can_be_set(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "trace.csv"
     trace.write_text("time_s,rate\n0,5\n600,5\n660,30\n1200,30\n")
     args = parse("--capacity-curve", str(EXAMPLE), "--trace", str(trace), "--self-check-requests", "2000",
-                 "--disable-tqdm")
+                 "--hpa-target", "5", "--disable-tqdm")
     assert autoscale.run(args) == 0
     table = capsys.readouterr().out
     assert "static-peak" in table and "3 replicas (30.0 req/s / 10.29 per replica)" in table
+    assert "waiting 5 per pod" in table
 
 
 def test_a_curve_without_gauges_compares_what_it_can(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
