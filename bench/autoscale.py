@@ -14,8 +14,9 @@ Targets, unless a policy fixes its own, are each signal's value on the curve at 
 the highest per-replica rate that meets the SLO, so every policy aims at the same load per replica.
 
 Before the comparison the simulator checks itself: one simulated replica, offered each rate of
-the curve, must reproduce the curve's P50/P90/P99 TTFT, ITL and E2E and its throughput within 10%.
-Results: a table, and with `--output FILE` JSON and a PNG beside it.
+the curve, must reproduce the curve's P50/P90/P99 TTFT, ITL and E2E and its throughput within 10%;
+when it does not, the results are still shown and the command exits with 1. Results: a table, and
+with `--output FILE` JSON and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvpilot.bench.arrival_trace import DAY_S, Trace, TraceError, day_trace, load_trace
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from tqdm import tqdm
 
-    from .autoscale_report import print_table, write_outputs
+    from kvpilot.bench.autoscale_report import print_table, write_outputs
 
     print(check.describe())
     ticks = math.ceil(trace.duration_s / config.tick_s)
@@ -118,12 +119,12 @@ def run(args: argparse.Namespace) -> int:
     return 0 if check.passed else 1
 
 
+@dataclass
 class _Plan:
-    def __init__(self) -> None:
-        self.policies: list[Policy] = []
-        self.targets: dict[str, str] = {}  # policy -> its target, described
-        self.skipped: dict[str, str] = {}  # policy -> why it was not simulated
-        self.target_rate = 0.0
+    policies: list[Policy] = field(default_factory=list)
+    targets: dict[str, str] = field(default_factory=dict)  # policy -> its target, described
+    skipped: dict[str, str] = field(default_factory=dict)  # policy -> why it was not simulated
+    target_rate: float = 0.0  # requests/s per replica the targets stand for
 
 
 def _plan(args: argparse.Namespace, curve: CapacityCurve, trace: Trace, slo_rate: float) -> _Plan:
