@@ -1,0 +1,104 @@
+"""`kvpilot bench autoscale`'s results: the table, the JSON and the PNG (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvpilot.bench.fleet import FleetResult
+from kvpilot.bench.self_check import SelfCheck
+
+STATIC = "static-peak"
+
+
+def rows(results: Sequence[FleetResult], targets: Mapping[str, str]) -> list[dict[str, Any]]:
+    static = next((r for r in results if r.policy == STATIC), None)
+    return [{
+        "policy": r.policy, "target": targets.get(r.policy, ""), "slo_attainment": r.slo_attainment,
+        "replica_hours": r.replica_hours,
+        "replica_hours_vs_static": r.replica_hours / static.replica_hours if static and static.replica_hours else None,
+        "num_requests": r.num_requests, "num_failed": r.num_failed, "num_scale_events": r.num_scale_events,
+        "max_replicas": r.max_replicas,
+    } for r in results]
+
+
+def print_table(results: Sequence[FleetResult], targets: Mapping[str, str], skipped: Mapping[str, str]) -> None:
+    table = rows(results, targets)
+    width = max(len(r["policy"]) for r in table)
+    print(f"{'policy':<{width}}  {'SLO met':>8}  {'replica-h':>9}  {'vs static':>9}  {'scalings':>8}  "
+          f"{'max':>4}  target")
+    for r in table:
+        ratio = "" if r["replica_hours_vs_static"] is None else f"{r['replica_hours_vs_static']:.1%}"
+        print(f"{r['policy']:<{width}}  {r['slo_attainment']:>8.2%}  {r['replica_hours']:>9.1f}  {ratio:>9}  "
+              f"{r['num_scale_events']:>8}  {r['max_replicas']:>4}  {r['target']}")
+    for name, why in skipped.items():
+        print(f"{name}: not simulated: {why}")
+
+
+def write_outputs(path: Path, body: dict[str, Any], check: SelfCheck, results: Sequence[FleetResult],
+                  targets: Mapping[str, str], skipped: Mapping[str, str]) -> None:
+    body = {**body,
+            "self_check": {"passed": check.passed, "max_error": check.max_error, "tolerance": check.tolerance,
+                           "points": [{"request_rate": r.request_rate, "measured": r.measured,
+                                       "simulated": r.simulated, "max_error": r.max_error} for r in check.rows]},
+            "policies": rows(results, targets), "skipped": dict(skipped),
+            "timeline": {r.policy: {"minute_end_s": [t[0] for t in r.timeline], "rate": [t[1] for t in r.timeline],
+                                    "replicas": [t[2] for t in r.timeline], "ready": [t[3] for t in r.timeline],
+                                    "slo_attainment": [t[4] for t in r.timeline]} for r in results}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(body, indent=1) + "\n")
+    png = path.with_suffix(".png")
+    plot(png, check, results, body["curve"]["slo_rate_per_replica"])
+    print(f"wrote {path} and {png}")
+
+
+def plot(path: Path, check: SelfCheck, results: Sequence[FleetResult], slo_rate: float) -> None:
+    """Each policy's replicas over the trace against the replicas the arrival rate needs at the
+    SLO; SLO attainment against replica-hours; the self-check's TTFT, simulated against measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(15, 4 + 1.3 * len(results)), constrained_layout=True)
+    grid = fig.add_gridspec(len(results) + 3, 2)
+    needed = [t[1] / slo_rate for t in results[0].timeline]
+    for i, r in enumerate(results):
+        ax = fig.add_subplot(grid[i, :])
+        hours = [t[0] / 3600 for t in r.timeline]
+        ax.plot(hours, needed, color="0.6", linewidth=0.8, label="rate / SLO rate per replica")
+        ax.step(hours, [t[2] for t in r.timeline], where="post", color=f"C{i}", linewidth=1.0, label="replicas")
+        ax.set_ylabel("replicas", fontsize=8)
+        ax.set_title(f"{r.policy}: {r.slo_attainment:.2%} of requests met the SLO, {r.replica_hours:.0f} replica-hours",
+                     fontsize=9, loc="left")
+        ax.tick_params(labelsize=8)
+        if i == 0:
+            ax.legend(fontsize=7, loc="upper left")
+        if i == len(results) - 1:
+            ax.set_xlabel("hours")
+    ax = fig.add_subplot(grid[len(results):, 0])
+    for i, r in enumerate(results):
+        ax.scatter(r.replica_hours, 100 * r.slo_attainment, s=40, color=f"C{i}")
+        ax.annotate(r.policy, (r.replica_hours, 100 * r.slo_attainment), textcoords="offset points", xytext=(4, 4),
+                    fontsize=8)
+    ax.axhline(99, color="red", linewidth=0.8, label="99% of requests")
+    ax.set_xlabel("replica-hours")
+    ax.set_ylabel("requests meeting the SLO (%)")
+    ax.set_title("SLO attainment against cost")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax = fig.add_subplot(grid[len(results):, 1])
+    rates = [r.request_rate for r in check.rows]
+    for key, style in (("ttft_p50", "o"), ("ttft_p99", "^")):
+        line, = ax.plot(rates, [1e3 * r.measured[key] for r in check.rows], f"{style}-", label=f"{key} measured")
+        ax.plot(rates, [1e3 * r.simulated[key] for r in check.rows], f"{style}--", color=line.get_color(),
+                label=f"{key} simulated")
+    ax.set_xlabel("requests/s offered to one replica")
+    ax.set_ylabel("ms")
+    ax.set_title(f"self-check: {'passed' if check.passed else 'FAILED'}, max error {check.max_error:.1%}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

@@ -1,0 +1,339 @@
+"""The fleet simulator: the replicas of one InferenceService under an arrival trace, scaled by a
+policy, each replica modelled by a measured capacity curve (`capacity_curve.py`).
+
+Time advances in ticks. In each tick:
+* requests arrive (Poisson at the trace's rate) and each goes to a Ready replica chosen at random,
+  as a Service spreads them; with no Ready replica they fail;
+* every Ready replica is offered rate / Ready replicas. It completes up to its capacity; the
+  excess waits in its own queue (a fluid backlog drained at the capacity, which a new replica
+  does not take over), whose wait adds to TTFT and E2E; clients give up past `request_timeout_s`,
+  so no queue holds more than that much work. A request's latencies are drawn from the curve at
+  the offered rate, or at the capacity while its replica has a queue, one draw for TTFT, ITL and
+  E2E (a request slow to start is slow to finish);
+* preemptions are counted at the curve's rate, and each TTFT in the runtime's histogram buckets.
+Scrapes, every `Pipeline.scrape_interval_s`, record each Ready replica's gauges as a scrape sees
+them: varying around the curve's means at its load (waiting a geometric count, as a queue's
+length is; running a Poisson count; KV usage in proportion to running) plus its backlog, with its
+counters.
+Every `spec.interval` the policy reads the scrapes at least `metrics_lag_s` old through the
+operator's own `decide_replicas`, on `WindowSummary`s built from them, and the fleet follows at
+once: a new replica is Ready `startup_s` later; a removed one leaves the load balancer at once
+and drains, costing until its last request finishes. The replica removed is a starting one
+first (the ReplicaSet's order), then the one of lowest pod-deletion-cost (the operator's
+`deletion_costs` on the same windows), then the newest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from kvpilot.bench.arrival_trace import Trace
+from kvpilot.bench.capacity_curve import LATENCIES, CapacityCurve, sample
+from kvpilot.operator.autoscale import (
+    PodState,
+    ScalerState,
+    ScalingSpec,
+    decide_replicas,
+    deletion_costs,
+)
+from kvpilot.operator.autotune import EngineSettings, Histogram, WindowSummary
+
+# The runtime's TTFT buckets (runtime/metrics.py), so a P99 read from the simulated histograms
+# has the resolution it has in a cluster.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_BOUNDS = np.array(TTFT_BUCKETS)
+_EMPTY = Histogram((math.inf,), (0.0,))
+_SETTINGS = EngineSettings(16, "recompute", 1)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    tick_s: float = 1.0
+    startup_s: float = 120.0  # created to Ready: scheduling, image, model load
+    metrics_lag_s: float = 5.0  # a scrape's age before a decision can read it
+    slo_ttft_s: float = 1.0  # a request meets the SLO with TTFT within this...
+    slo_e2e_s: float | None = None  # ...and, when set, E2E within this
+    request_timeout_s: float = 60.0  # clients give up on a request queued this long
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tick_s", "slo_ttft_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, not {getattr(self, name)}")
+        for name in ("startup_s", "metrics_lag_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, not {getattr(self, name)}")
+        if self.slo_e2e_s is not None and self.slo_e2e_s <= 0:
+            raise ValueError(f"slo_e2e_s: must be positive, not {self.slo_e2e_s}")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How a policy sees the pods."""
+
+    scrape_interval_s: float
+    gauges: Literal["mean", "latest"]  # means over the window, or the latest scrape only
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    spec: ScalingSpec | None  # None: a fixed fleet
+    pipeline: Pipeline
+    initial_replicas: int
+
+
+@dataclass(frozen=True)
+class _Scrape:
+    time: float
+    waiting: float
+    running: float
+    kv: float
+    preemptions: float  # counter
+    ttft: np.ndarray  # counts per bucket (not cumulative), +Inf last; counter
+
+
+@dataclass
+class _Replica:
+    slot: int  # its row in the simulation's arrays
+    name: str
+    created: float
+    ready_at: float
+    removed_at: float | None = None
+    scrapes: deque[_Scrape] = field(default_factory=deque)
+    cost: str | None = None  # the pod-deletion-cost annotation
+
+    def state(self, now: float) -> PodState:
+        if self.removed_at is not None:
+            return "leaving"
+        return "ready" if self.ready_at <= now else "starting"
+
+
+@dataclass
+class FleetResult:
+    policy: str
+    num_requests: int = 0
+    num_met: int = 0
+    num_failed: int = 0  # arrived with no Ready replica
+    replica_seconds: float = 0.0
+    num_scale_events: int = 0
+    max_replicas: int = 0
+    # per minute: its end, mean rate, replicas (not removed), Ready replicas, share meeting the SLO
+    timeline: list[tuple[float, float, int, int, float]] = field(default_factory=list)
+    latencies: dict[str, list[np.ndarray]] = field(default_factory=lambda: {k: [] for k in LATENCIES})
+    duration_s: float = 0.0
+
+    @property
+    def slo_attainment(self) -> float:
+        return self.num_met / self.num_requests if self.num_requests else 1.0
+
+    @property
+    def replica_hours(self) -> float:
+        return self.replica_seconds / 3600
+
+
+def simulate(curve: CapacityCurve, trace: Trace, policy: Policy, config: SimConfig, *,
+             record_latencies: bool = False, progress: Callable[[int], None] | None = None) -> FleetResult:
+    return _Simulation(curve, trace, policy, config, record_latencies, progress).run()
+
+
+class _Simulation:
+    """The replicas' hot state (backlog, counters, last finish) lives in arrays indexed by
+    `_Replica.slot`, so a tick costs a few array operations whatever the fleet's size."""
+
+    def __init__(self, curve: CapacityCurve, trace: Trace, policy: Policy, config: SimConfig,
+                 record_latencies: bool, progress: Callable[[int], None] | None) -> None:
+        self.curve, self.trace, self.policy, self.config = curve, trace, policy, config
+        self.record = record_latencies
+        self.progress = progress
+        self.rng = np.random.default_rng(config.seed)
+        self.result = FleetResult(policy.name)
+        self.replicas: list[_Replica] = []
+        self.state = ScalerState()
+        self.backlog = np.zeros(0)  # requests beyond the capacity, waiting
+        self.preemptions = np.zeros(0)
+        self.busy_until = np.zeros(0)  # when the last request sent to it finishes
+        self.ttft = np.zeros((0, len(TTFT_BUCKETS) + 1))
+        self.keep_s = ((policy.spec.window if policy.spec else 0) + config.metrics_lag_s
+                       + 2 * policy.pipeline.scrape_interval_s)
+        self.ready: list[_Replica] = []
+        self.slots = np.zeros(0, dtype=np.int64)
+        self.next_ready = math.inf
+        for _ in range(policy.initial_replicas):
+            self._add(0.0, ready_at=0.0)
+
+    def run(self) -> FleetResult:
+        tick, rates = self.config.tick_s, self.trace.tick_rates(self.config.tick_s)
+        spec, pipeline = self.policy.spec, self.policy.pipeline
+        next_scrape, next_decision = 0.0, (spec.interval if spec else math.inf)
+        self._refresh_ready(0.0)
+        minute = [0.0, 0.0, 0.0]  # arrivals, met, sum of rates
+        for k, rate in enumerate(rates.tolist()):
+            now = k * tick
+            if now >= self.next_ready:
+                self._refresh_ready(now)
+            self._serve(now, rate, minute)
+            if now >= next_scrape:
+                self._scrape(now, rate)
+                next_scrape += pipeline.scrape_interval_s
+            if spec is not None and now >= next_decision:
+                self._decide(now, spec)
+                next_decision += spec.interval
+            if (k + 1) * tick % 60 < tick:
+                self._record_minute(now, minute)
+            if self.progress is not None and (k + 1) % 3600 == 0:
+                self.progress(3600)
+        if self.progress is not None:
+            self.progress(len(rates) % 3600)
+        end = len(rates) * tick
+        self.result.duration_s = end
+        self.result.replica_seconds = sum(
+            min(end, max(r.removed_at, float(self.busy_until[r.slot])) if r.removed_at is not None else end) - r.created
+            for r in self.replicas)
+        return self.result
+
+    def _serve(self, now: float, rate: float, minute: list[float]) -> None:
+        tick, cap = self.config.tick_s, self.curve.capacity
+        arrivals = int(self.rng.poisson(rate * tick))
+        self.result.num_requests += arrivals
+        minute[0] += arrivals
+        minute[2] += rate
+        n = len(self.slots)
+        if n == 0:
+            self.result.num_failed += arrivals
+            return
+        offered = rate / n
+        slots = self.slots
+        before = self.backlog[slots]
+        # clients give up on a request that would wait past the timeout: the queue holds no more
+        after = np.clip(before + (offered - cap) * tick, 0.0, cap * self.config.request_timeout_s)
+        self.backlog[slots] = after
+        queued = after > 0  # serving at its capacity, whatever it is offered
+        if "preemptions_per_s" in self.curve.gauges:
+            rates = [self.curve.gauge("preemptions_per_s", load) for load in (min(offered, cap), cap)]
+            self.preemptions[slots] += np.where(queued, rates[1], rates[0]) * tick
+        if arrivals == 0:
+            return
+        which = self.rng.integers(0, n, size=arrivals)  # each request to a Ready replica at random
+        u = self.rng.exponential(size=arrivals)
+        ttft, itl, e2e = sample(self.curve.latencies(min(offered, cap)), u)
+        if queued.any():
+            at_capacity = sample(self.curve.latencies(cap), u)
+            mask = queued[which]
+            ttft, itl, e2e = (np.where(mask, full, calm) for full, calm in zip(at_capacity, (ttft, itl, e2e),
+                                                                                strict=True))
+        wait = ((before + after) / (2 * cap))[which]
+        ttft += wait
+        e2e += wait
+        met = ttft <= self.config.slo_ttft_s
+        if self.config.slo_e2e_s is not None:
+            met &= e2e <= self.config.slo_e2e_s
+        num_met = int(met.sum())
+        self.result.num_met += num_met
+        minute[1] += num_met
+        target = slots[which]
+        np.add.at(self.ttft, (target, np.searchsorted(_BOUNDS, ttft, side="left")), 1)  # le: v <= bound
+        np.maximum.at(self.busy_until, target, now + e2e)
+        if self.record:
+            for kind, values in zip(LATENCIES, (ttft, itl, e2e), strict=True):
+                self.result.latencies[kind].append(values)
+
+    def _scrape(self, now: float, rate: float) -> None:
+        if not self.ready:
+            return
+        cap, gauges = self.curve.capacity, self.curve.gauges
+        calm = min(rate / len(self.ready), cap)
+        means = {load: [self.curve.gauge(g, load) if g in gauges else 0.0
+                        for g in ("num_requests_waiting", "num_requests_running", "kv_cache_usage")]
+                 for load in (calm, cap)}
+        for r in self.ready:
+            backlog = float(self.backlog[r.slot])
+            waiting_mean, running_mean, kv_mean = means[cap if backlog > 0 else calm]
+            waiting = float(self.rng.geometric(1 / (1 + waiting_mean)) - 1) + backlog
+            running = float(self.rng.poisson(running_mean)) if running_mean > 0 else 0.0
+            kv = min(1.0, kv_mean * running / running_mean) if running_mean > 0 else kv_mean
+            r.scrapes.append(_Scrape(now, waiting, running, kv, float(self.preemptions[r.slot]),
+                                     self.ttft[r.slot].copy()))
+            while r.scrapes[0].time < now - self.keep_s:
+                r.scrapes.popleft()
+
+    def _decide(self, now: float, spec: ScalingSpec) -> None:
+        seen = now - self.config.metrics_lag_s
+        summaries = {r.name: s for r in self.ready if (s := self._summary(r, seen, spec.window)) is not None}
+        alive = [r for r in self.replicas if r.removed_at is None]
+        costs = deletion_costs(summaries, {r.name: r.cost for r in alive})
+        for r in alive:
+            if r.name in costs:
+                r.cost = str(costs[r.name])
+        decision = decide_replicas(summaries, {r.name: r.state(now) for r in alive}, len(alive), spec,
+                                   self.state, now=now)
+        if decision.desired == decision.current:
+            self.state = decision.state
+            return
+        self.state = decision.scaled_state
+        self.result.num_scale_events += 1
+        if decision.desired > decision.current:
+            for _ in range(decision.desired - decision.current):
+                self._add(now, ready_at=now + self.config.startup_s)
+        else:
+            order = sorted(alive, key=lambda r: (r.state(now) == "ready", int(r.cost or 0), -r.created))
+            for r in order[:decision.current - decision.desired]:
+                r.removed_at = now
+        self._refresh_ready(now)
+
+    def _summary(self, r: _Replica, seen: float, window: float) -> WindowSummary | None:
+        """The window the operator's scraper would hand the policy: the scrapes in
+        (seen - window, seen], after the newest one at or before its start."""
+        visible = [s for s in r.scrapes if s.time <= seen]
+        older = [i for i, s in enumerate(visible) if s.time <= seen - window]
+        span = visible[older[-1]:] if older else visible
+        if len(span) < 2:
+            return None
+        base, after = span[0], span[1:]
+        last = after[-1]
+        gauges = [last] if self.policy.pipeline.gauges == "latest" else after
+        return WindowSummary(
+            pod=r.name, start=base.time, end=last.time, num_samples=len(after), settings=_SETTINGS,
+            settings_changed=False, num_restarts=0,
+            kv_cache_usage=sum(s.kv for s in gauges) / len(gauges),
+            num_waiting_seqs=sum(s.waiting for s in gauges) / len(gauges),
+            num_running_seqs=sum(s.running for s in gauges) / len(gauges),
+            num_swapped_seqs=0.0, mean_context_tokens=None,
+            preemptions_per_s=(last.preemptions - base.preemptions) / (last.time - base.time),
+            swap_bytes_per_s=0.0, prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0,
+            iteration_time=_EMPTY, itl=_EMPTY, e2e=_EMPTY,
+            ttft=Histogram((*TTFT_BUCKETS, math.inf), tuple(np.cumsum(last.ttft - base.ttft).tolist())))
+
+    def _add(self, now: float, *, ready_at: float) -> None:
+        slot = len(self.replicas)
+        if slot == len(self.backlog):  # grow the arrays by doubling
+            size = max(8, 2 * slot)
+            self.backlog = np.resize(self.backlog, size)
+            self.preemptions = np.resize(self.preemptions, size)
+            self.busy_until = np.resize(self.busy_until, size)
+            self.ttft = np.resize(self.ttft, (size, self.ttft.shape[1]))
+        self.backlog[slot] = self.preemptions[slot] = self.busy_until[slot] = 0.0
+        self.ttft[slot] = 0.0
+        self.replicas.append(_Replica(slot, f"replica-{slot}", now, ready_at))
+        alive = sum(1 for r in self.replicas if r.removed_at is None)
+        self.result.max_replicas = max(self.result.max_replicas, alive)
+
+    def _refresh_ready(self, now: float) -> None:
+        alive = [r for r in self.replicas if r.removed_at is None]
+        self.ready = [r for r in alive if r.ready_at <= now]
+        self.slots = np.array([r.slot for r in self.ready], dtype=np.int64)
+        self.next_ready = min((r.ready_at for r in alive if r.ready_at > now), default=math.inf)
+
+    def _record_minute(self, now: float, minute: list[float]) -> None:
+        alive = sum(1 for r in self.replicas if r.removed_at is None)
+        met = minute[1] / minute[0] if minute[0] else 1.0
+        self.result.timeline.append((now + self.config.tick_s, minute[2] * self.config.tick_s / 60, alive,
+                                     len(self.ready), met))
+        minute[:] = [0.0, 0.0, 0.0]

@@ -1,0 +1,122 @@
+"""The fleet simulator: its self-check against the capacity curve (and that the check fails on a
+replica model that is wrong), a fixed fleet, overload, the scale-up delay, and drained scale-downs."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpilot.bench import fleet
+from kvpilot.bench.arrival_trace import Trace
+from kvpilot.bench.capacity_curve import load_curve
+from kvpilot.bench.fleet import TTFT_BUCKETS, Pipeline, Policy, SimConfig, simulate
+from kvpilot.bench.self_check import self_check
+from kvpilot.operator.autoscale import ScalingSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+CURVE = load_curve(Path(__file__).parent / "data" / "example-capacity-curve.json")
+CONFIG = SimConfig(startup_s=120.0, metrics_lag_s=5.0, slo_ttft_s=1.0)
+SCRAPES = Pipeline(15.0, "mean")
+
+
+def steady(rate: float, duration_s: float) -> Trace:
+    return Trace(np.array([0.0, duration_s]), np.array([rate, rate]), "steady")
+
+
+def step(low: float, high: float, at_s: float, duration_s: float) -> Trace:
+    return Trace(np.array([0.0, at_s, at_s + 1, duration_s]), np.array([low, low, high, high]), "step")
+
+
+def test_one_simulated_replica_reproduces_the_curve_within_10_percent() -> None:
+    check = self_check(CURVE, CONFIG, requests_per_point=5000)
+    assert check.passed, check.describe()
+    assert len(check.rows) == len(CURVE.points)
+    assert {"ttft_p99", "itl_p90", "e2e_p50", "throughput"} <= check.rows[0].errors.keys()
+
+
+def test_the_self_check_fails_on_a_replica_model_that_ignores_the_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    def medians_only(percentiles: np.ndarray, u: np.ndarray) -> np.ndarray:
+        return np.repeat(np.asarray(percentiles)[..., :1], len(u), axis=-1)
+    monkeypatch.setattr(fleet, "sample", medians_only)
+    check = self_check(CURVE, CONFIG, requests_per_point=2000)
+    assert not check.passed and "FAILED" in check.describe()
+
+
+def test_the_histogram_buckets_are_the_runtimes() -> None:
+    tree = ast.parse((ROOT / "runtime" / "metrics.py").read_text())
+    runtime = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                   and any(getattr(t, "id", None) == "_LATENCY_BUCKETS" for t in node.targets))
+    assert TTFT_BUCKETS == runtime
+
+
+def test_a_fleet_within_its_capacity_meets_the_slo_and_costs_its_size() -> None:
+    result = simulate(CURVE, steady(20.0, 3600), Policy("static", None, SCRAPES, 4), CONFIG)
+    assert result.slo_attainment == 1.0 and result.num_failed == 0
+    assert result.replica_hours == pytest.approx(4.0)
+    assert result.num_requests == pytest.approx(72_000, rel=0.02)
+    assert [t[2] for t in result.timeline] == [4] * 60
+
+
+def test_an_overloaded_replica_queues_and_misses_the_slo() -> None:
+    result = simulate(CURVE, steady(15.0, 600), Policy("static", None, SCRAPES, 1), CONFIG, record_latencies=True)
+    ttft = np.concatenate(result.latencies["ttft"])
+    # 3 req/s beyond its capacity of 12: the queue grows by 3 a second until a request would wait
+    # 60 s, when clients start giving up (after 240 s)
+    assert ttft[:12 * 60].max() < 20
+    assert 60 < ttft[-100:].min() < 62
+    assert result.slo_attainment < 0.2
+
+
+def test_no_ready_replica_fails_every_request() -> None:
+    result = simulate(CURVE, steady(5.0, 120), Policy("none", None, SCRAPES, 0), CONFIG)
+    assert result.num_failed == result.num_requests > 0 and result.slo_attainment == 0.0
+
+
+def test_a_step_in_load_is_met_once_new_replicas_are_ready() -> None:
+    spec = ScalingSpec(enabled=True, metric="kvCacheUsage", target=0.6, max_replicas=20)
+    policy = Policy("kv", spec, SCRAPES, 2)
+    result = simulate(CURVE, step(10.0, 60.0, 600, 1800), policy, CONFIG)
+    by_minute = {round(t[0]): t for t in result.timeline}
+    assert by_minute[600][2:4] == (2, 2)  # before the step: 10 req/s on two replicas is within the target
+    # the first decision after the step orders replicas; none serves before startup_s has passed
+    assert by_minute[660][2] > 2 and by_minute[720][3] == 2
+    first_ready = min(t[0] for t in result.timeline if t[3] > 2)
+    assert first_ready >= 600 + CONFIG.startup_s
+    assert by_minute[1800][3] >= 60 / 10.3  # enough Ready replicas for the SLO in the end
+    assert min(t[4] for t in result.timeline if t[0] > 1300) == 1.0
+    assert 0.5 < result.slo_attainment < 0.9  # the minutes before the new replicas were ready cost
+    assert result.num_scale_events >= 2
+
+
+def test_replicas_scaled_down_drain_and_cost_until_their_last_request() -> None:
+    spec = ScalingSpec(enabled=True, metric="kvCacheUsage", target=0.6, max_replicas=20)
+    policy = Policy("kv", spec, SCRAPES, 8)
+    result = simulate(CURVE, steady(10.0, 1800), policy, CONFIG)
+    replicas = [t[2] for t in result.timeline]
+    assert replicas[0] == 8 and replicas[-1] == 2  # 10 req/s is two replicas' worth at the target
+    assert replicas.index(2) * 60 >= 300  # not before the scale-down stabilization window
+    assert result.slo_attainment == 1.0
+    # six replicas went in the minute before the timeline first shows 2, and drained for seconds
+    removed_by = replicas.index(2) * 60 + 60
+    assert 2 * 1800 + 6 * (removed_by - 60) < result.replica_seconds < 2 * 1800 + 6 * (removed_by + 10)
+
+
+def test_the_same_seed_gives_the_same_day() -> None:
+    spec = ScalingSpec(enabled=True, metric="ttftP99", target=0.4, max_replicas=20)
+    policy = Policy("ttft", spec, SCRAPES, 2)
+    trace = step(5.0, 40.0, 300, 1200)
+    one, two = simulate(CURVE, trace, policy, CONFIG), simulate(CURVE, trace, policy, CONFIG)
+    assert (one.num_met, one.replica_seconds, one.timeline) == (two.num_met, two.replica_seconds, two.timeline)
+    other = simulate(CURVE, trace, policy, dataclasses.replace(CONFIG, seed=1))
+    assert other.num_requests != one.num_requests
+
+
+def test_a_bad_config_names_the_field() -> None:
+    with pytest.raises(ValueError, match="startup_s: must be >= 0"):
+        SimConfig(startup_s=-1)
+    with pytest.raises(ValueError, match="slo_ttft_s: must be positive"):
+        SimConfig(slo_ttft_s=0)
