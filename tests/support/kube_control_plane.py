@@ -220,3 +220,8 @@ class OperatorProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def log_lines(self, *words: str) -> list[str]:
+        """Lines of its log with any of `words` (the client layer logs "403 Forbidden: ...", kopf
+        "APIForbiddenError")."""
+        return [line for line in self.log().splitlines() if any(w in line for w in words)]
