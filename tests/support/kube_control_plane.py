@@ -86,7 +86,7 @@ class ControlPlane:
         self._script("restart-apiserver", str(pause))
 
     def restart_apiserver_in_background(self, pause: float) -> subprocess.Popen[bytes]:
-        return subprocess.Popen([str(self.script), "restart-apiserver", str(self.root), str(pause)],
+        return subprocess.Popen(["bash", str(self.script), "restart-apiserver", str(self.root), str(pause)],
                                 env=self._env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def ensure_apiserver_args(self, apiserver_args: str) -> None:
@@ -97,7 +97,7 @@ class ControlPlane:
         return {**os.environ, "APISERVER_EXTRA_ARGS": self.apiserver_args}
 
     def _script(self, *args: str) -> None:
-        done = subprocess.run([str(self.script), args[0], str(self.root), *args[1:]], env=self._env(),
+        done = subprocess.run(["bash", str(self.script), args[0], str(self.root), *args[1:]], env=self._env(),
                               capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"control-plane {args[0]} failed: {done.stderr}")
