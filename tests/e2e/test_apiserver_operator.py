@@ -164,6 +164,8 @@ def test_deletion_is_garbage_collection_also_with_the_operator_stopped(control_p
 
 def test_the_operator_met_no_403_and_no_409(operator: OperatorProcess) -> None:
     """Run last in this module: the chart's RBAC sufficed for everything above (the quota's 403
-    is the one refusal that was wanted) and one writer per object meant no conflict."""
+    is the one refusal that was wanted), and with one writer per InferenceService its status
+    writes never conflicted. (A PUT of a Deployment whose status its controller updated since
+    the GET may conflict: it runs again on fresh data, as any controller's would.)"""
     assert [line for line in operator.log_lines("Forbidden") if "exceeded quota" not in line] == []
-    assert operator.log_lines("Conflict") == []
+    assert [line for line in operator.log_lines("Conflict") if "inferenceservices" in line] == []
