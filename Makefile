@@ -9,7 +9,7 @@ PORT ?= 8000
 # The repo root holds a folder named `operator`: never let `python -m` put it on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install test lint serve bench clean
+.PHONY: install test lint serve bench clean images tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,18 @@ lint: install
 
 serve: install
 	$(BIN)/kvpilot serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+# The two images the chart names by default (docker/*.Dockerfile), tagged with the chart's appVersion.
+REGISTRY ?= ghcr.io/kvpilot
+IMAGE_TAG ?= $(shell sed -n 's/^appVersion: *"\(.*\)"/\1/p' charts/kvpilot/Chart.yaml)
+
+images:
+	docker build -f docker/runtime.Dockerfile -t $(REGISTRY)/kvpilot-runtime:$(IMAGE_TAG) .
+	docker build -f docker/operator.Dockerfile -t $(REGISTRY)/kvpilot-operator:$(IMAGE_TAG) .
+
+# promtool and checkov, which the monitoring and chart tests use (they skip without them).
+tools:
+	.ci/install-tools
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-DEFAULT_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
+DEFAULT_IMAGE = "ghcr.io/kvpilot/kvpilot-runtime:0.1.0"  # docker/runtime.Dockerfile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ from kvpilot.operator.kube import RESOURCES
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvpilot"
 SCENARIOS = sorted((CHART / "ci").glob("*-values.yaml"))
-CUSTOM_KINDS = {"KopfPeering", "ClusterKopfPeering", "ServiceMonitor"}
+CUSTOM_KINDS = {"KopfPeering", "ClusterKopfPeering", "ServiceMonitor", "PrometheusRule"}
 
 
 @pytest.fixture(scope="module")

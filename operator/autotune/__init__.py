@@ -1,0 +1,30 @@
+"""Closed-loop tuning of live serving pods: the parts that need no Kubernetes.
+
+* `scrape` — `ServiceScraper`: every interval, `GET /metrics` from each Ready pod at once into
+  a per-pod `MetricWindow` of `Sample`s (`sample`, `window`); `WindowSummary` is a window's
+  rates, means and histogram increases over a span.
+* `policy` — `decide`: summaries + config in force + `TuningSpec` -> `Decision`.
+* `canary` — `judge`: the canary pod's window against a baseline -> promote | rollback | wait.
+* `admin` — `AdminClient`: the engine's `GET/POST /admin/config`.
+
+Imports neither torch nor kvpilot.runtime: pods are reached over HTTP only.
+"""
+
+from .admin import AdminClient, AdminError, AppliedConfig
+from .canary import CanaryJudgement, judge
+from .endpoint import PodEndpoint
+from .live_config import EngineLimits, LiveConfig
+from .policy import Decision, decide
+from .sample import EngineSettings, Histogram, MetricsError, Sample, parse_metrics
+from .scrape import ScrapeFailure, ScrapeReport, ServiceScraper
+from .signals import Signals, aggregate
+from .tuning_spec import CanarySpec, EngineTarget, KnobRange, SloTargets, Thresholds, TuningSpec
+from .window import MetricWindow, WindowSummary
+
+__all__ = [
+    "AdminClient", "AdminError", "AppliedConfig", "CanaryJudgement", "CanarySpec", "Decision",
+    "EngineLimits", "EngineSettings", "EngineTarget", "Histogram", "KnobRange", "LiveConfig",
+    "MetricWindow", "MetricsError", "PodEndpoint", "Sample", "ScrapeFailure", "ScrapeReport",
+    "ServiceScraper", "Signals", "SloTargets", "Thresholds", "TuningSpec", "WindowSummary",
+    "aggregate", "decide", "judge", "parse_metrics",
+]

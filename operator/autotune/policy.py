@@ -1,0 +1,219 @@
+"""The tuning policy: a pure function from the pods' windows, the config in force and the spec to
+a decision, with a reason that names the metric values behind it.
+
+Terms. *Pressure*: requests queue or sequences are preempted faster than the engine can serve
+them; the policy then moves to `spec.pressure` (default block size 8, swap): smaller blocks waste
+less of the last block of each sequence, so more sequences fit, and swap keeps a preempted
+sequence's KV instead of computing it again. *Calm*: the rest of the time, `spec.calm` (default
+16, recompute). The service is in calm exactly when its config is the calm target; anything else
+leaves only once every signal is below its low level (hysteresis), and enters pressure once one
+is above its high level.
+
+Rules, in the order a reason lists them:
+* regime: queue depth or preemption rate above its high level, or P99 TTFT over its target while
+  requests queue, enters pressure; all below their low levels returns to calm;
+* preemption mode: swap only where allowed, with swap space, and (when
+  `swap_min_context_tokens` is set) for contexts long enough that copying beats prefilling again;
+* max_num_seqs (when the spec gives a range): doubled when it, not memory, binds (a queue, KV
+  usage low, running at the limit; then the queue alone does not mean pressure, since smaller
+  blocks would not admit one more sequence), halved when memory thrashes (preemptions high, KV
+  usage high);
+* max_num_batched_tokens (with a range and an SLO): halved when P99 ITL misses its target and TTFT
+  does not (prefill chunks stall decodes less), doubled in the opposite case.
+Cooldown and dwell gate everything: no change within `cooldown_s` of the last one, and none on
+less than `min_dwell_s` of data gathered under the config in force.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .live_config import EngineLimits, LiveConfig
+from .signals import Signals, aggregate
+from .tuning_spec import EngineTarget, Thresholds, TuningSpec
+from .window import WindowSummary
+
+# A limit that binds is hit at every step, but a scrape lands between sequences finishing and
+# new ones being admitted, so the mean over scrapes sits a little under it.
+_AT_LIMIT = 0.9
+
+
+@dataclass(frozen=True)
+class Decision:
+    current: LiveConfig
+    target: LiveConfig | None  # None: keep the config in force
+    reason: str
+    signals: Signals | None  # None when the decision was taken without looking at metrics
+
+    @property
+    def changes(self) -> dict[str, int | str]:
+        """The `POST /admin/config` body; empty when nothing changes."""
+        return self.current.changes_to(self.target) if self.target is not None else {}
+
+
+def decide(summaries: Mapping[str, WindowSummary], current: LiveConfig, spec: TuningSpec,
+           limits: EngineLimits, *, now: float, last_change: float | None) -> Decision:
+    """`summaries`: each Ready pod's window over (now - spec.min_dwell_s, now], by pod name.
+    `last_change`: when the config in force was applied (or rolled back to); None if never."""
+    if last_change is not None and now - last_change < spec.cooldown_s:
+        return Decision(current, None, f"cooldown: {now - last_change:.0f} s since the last change, "
+                                       f"{spec.cooldown_s:g} s required", None)
+    usable, left_out = _usable(summaries, current, spec)
+    if not usable:
+        why = "; ".join(left_out) if left_out else "no pod has been scraped"
+        return Decision(current, None, f"not enough data: {why}", None)
+    signals = aggregate(usable, spec.slo)
+    engine, why_engine = _engine_target(signals, current, spec, limits)
+    seqs, why_seqs = _max_num_seqs(signals, current, spec)
+    tokens, why_tokens = _max_num_batched_tokens(signals, current, spec, limits)
+    target = dataclasses.replace(current, block_size=engine.block_size, preemption_mode=engine.preemption_mode,
+                                 max_num_seqs=seqs, max_num_batched_tokens=tokens)
+    reason = "; ".join([r for r in (why_engine, why_seqs, why_tokens) if r] + left_out)
+    if target == current:
+        return Decision(current, None, f"hold: {reason}", signals)
+    return Decision(current, target, reason, signals)
+
+
+def _usable(summaries: Mapping[str, WindowSummary], current: LiveConfig,
+            spec: TuningSpec) -> tuple[list[WindowSummary], list[str]]:
+    """The windows that show the config in force for at least the dwell, and why others do not."""
+    usable, left_out = [], []
+    for pod, s in sorted(summaries.items()):
+        if (s.settings.block_size, s.settings.preemption_mode) != (current.block_size, current.preemption_mode):
+            left_out.append(f"pod {pod} reports block_size {s.settings.block_size}, {s.settings.preemption_mode}, "
+                            f"not the config in force")
+        elif s.settings_changed:
+            left_out.append(f"pod {pod} changed settings within its window")
+        elif s.duration_s < spec.min_dwell_s:
+            left_out.append(f"pod {pod} has {s.duration_s:.0f} s of data, {spec.min_dwell_s:g} s needed")
+        else:
+            usable.append(s)
+    return usable, left_out
+
+
+def _engine_target(sig: Signals, current: LiveConfig, spec: TuningSpec,
+                   limits: EngineLimits) -> tuple[EngineTarget, str]:
+    t = spec.thresholds
+    calm, calm_note = _resolve(spec.calm, sig, spec, limits, current)
+    pressure, pressure_note = _resolve(spec.pressure, sig, spec, limits, current)
+    triggers = _pressure_triggers(sig, current, spec)
+    held = EngineTarget(current.block_size, current.preemption_mode)
+    if held == calm:
+        if triggers:
+            return pressure, f"{' and '.join(triggers)}: pressure -> {_describe(pressure, pressure_note)}"
+        return calm, (f"calm: queue depth {sig.queue_depth:.1f} <= {t.queue_depth_high:g}, "
+                      f"preemptions {sig.preemptions_per_s:.2f}/s <= {t.preemptions_per_s_high:g}/s")
+    if sig.queue_depth < t.queue_depth_low and sig.preemptions_per_s < t.preemptions_per_s_low:
+        return calm, (f"queue depth {sig.queue_depth:.1f} < {t.queue_depth_low:g} and preemptions "
+                      f"{sig.preemptions_per_s:.2f}/s < {t.preemptions_per_s_low:g}/s: calm -> "
+                      f"{_describe(calm, calm_note)}")
+    if triggers:
+        return pressure, f"{' and '.join(triggers)}: pressure -> {_describe(pressure, pressure_note)}"
+    return held, (f"queue depth {sig.queue_depth:.1f} and preemptions {sig.preemptions_per_s:.2f}/s are not "
+                  f"all below their low levels ({t.queue_depth_low:g}, {t.preemptions_per_s_low:g}/s): "
+                  f"block_size {held.block_size}, {held.preemption_mode} stays")
+
+
+def _pressure_triggers(sig: Signals, current: LiveConfig, spec: TuningSpec) -> list[str]:
+    t, slo = spec.thresholds, spec.slo
+    triggers = []
+    if sig.queue_depth > t.queue_depth_high and not (spec.max_num_seqs and _seqs_bind(sig, current, t)):
+        triggers.append(f"queue depth {sig.queue_depth:.1f} > {t.queue_depth_high:g}")
+    if sig.preemptions_per_s > t.preemptions_per_s_high:
+        triggers.append(f"preemptions {sig.preemptions_per_s:.2f}/s > {t.preemptions_per_s_high:g}/s")
+    if (slo.ttft_p99_s is not None and sig.ttft_p99_s is not None and sig.ttft_p99_s > slo.ttft_p99_s
+            and sig.queue_depth > t.queue_depth_low):
+        triggers.append(f"P99 TTFT {sig.ttft_p99_s:.3f} s > target {slo.ttft_p99_s:g} s with queue depth "
+                        f"{sig.queue_depth:.1f} > {t.queue_depth_low:g}")
+    return triggers
+
+
+def _resolve(wanted: EngineTarget, sig: Signals, spec: TuningSpec, limits: EngineLimits,
+             current: LiveConfig) -> tuple[EngineTarget, str]:
+    """`wanted` within what the spec and the engine allow, and a note where it had to differ."""
+    block_size = min(spec.allowed_block_sizes,
+                     key=lambda b: (abs(math.log2(b) - math.log2(wanted.block_size)), b))
+    notes = [] if block_size == wanted.block_size else [f"block_size {wanted.block_size} is not allowed"]
+    mode, why = _preemption_mode(wanted.preemption_mode, sig, spec, limits)
+    if why:
+        notes.append(why)
+    return EngineTarget(block_size, mode or current.preemption_mode), "; ".join(notes)
+
+
+def _preemption_mode(wanted: str, sig: Signals, spec: TuningSpec, limits: EngineLimits) -> tuple[str | None, str]:
+    """The mode to use and why it is not `wanted`; None when no allowed mode is usable (only swap
+    allowed and no swap space: the CRD refuses that spec, and the mode in force stays)."""
+    allowed = spec.allowed_preemption_modes
+    if wanted == "recompute":
+        if "recompute" in allowed:
+            return "recompute", ""
+        return ("swap", "recompute is not allowed") if limits.swap_space_gib > 0 else (None, "recompute is not allowed and there is no swap space")
+    floor, context = spec.thresholds.swap_min_context_tokens, sig.mean_context_tokens
+    if "swap" not in allowed:
+        why = "swap is not allowed"
+    elif limits.swap_space_gib <= 0:
+        why = "no swap space (--swap-space 0)"
+    elif floor == 0:
+        return "swap", ""
+    elif context is not None and context >= floor:
+        return "swap", f"mean context {context:.0f} >= {floor} tokens, cheaper to swap"
+    else:
+        shown = "unknown" if context is None else f"{context:.0f}"
+        why = f"mean context {shown} < {floor} tokens, cheaper to recompute"
+        if "recompute" not in allowed:
+            return "swap", f"{why}, but recompute is not allowed"
+    return ("recompute", why) if "recompute" in allowed else (None, why)
+
+
+def _describe(target: EngineTarget, note: str) -> str:
+    text = f"block_size {target.block_size}, {target.preemption_mode}"
+    return f"{text} ({note})" if note else text
+
+
+def _seqs_bind(sig: Signals, current: LiveConfig, t: Thresholds) -> bool:
+    """Requests queue while memory is idle and every sequence slot is taken."""
+    return (sig.queue_depth > t.queue_depth_low and sig.kv_cache_usage < t.kv_cache_usage_low
+            and sig.num_running_seqs >= _AT_LIMIT * current.max_num_seqs)
+
+
+def _max_num_seqs(sig: Signals, current: LiveConfig, spec: TuningSpec) -> tuple[int, str]:
+    bounds, t, now = spec.max_num_seqs, spec.thresholds, current.max_num_seqs
+    if bounds is None:
+        return now, ""
+    if _seqs_bind(sig, current, t):
+        new = bounds.clamp(now * 2)
+        why = (f"max_num_seqs binds (running {sig.num_running_seqs:.1f} of {now}, KV usage "
+               f"{sig.kv_cache_usage:.2f} < {t.kv_cache_usage_low:g}, queue depth {sig.queue_depth:.1f})")
+    elif sig.preemptions_per_s > t.preemptions_per_s_high and sig.kv_cache_usage > t.kv_cache_usage_high:
+        new = bounds.clamp(now // 2)
+        why = (f"memory binds (KV usage {sig.kv_cache_usage:.2f} > {t.kv_cache_usage_high:g}, preemptions "
+               f"{sig.preemptions_per_s:.2f}/s > {t.preemptions_per_s_high:g}/s)")
+    else:
+        return now, ""
+    if new == now:
+        return now, f"{why}: max_num_seqs stays {now}, at its bound"
+    return new, f"{why}: max_num_seqs {now} -> {new}"
+
+
+def _max_num_batched_tokens(sig: Signals, current: LiveConfig, spec: TuningSpec,
+                            limits: EngineLimits) -> tuple[int, str]:
+    bounds, slo, now = spec.max_num_batched_tokens, spec.slo, current.max_num_batched_tokens
+    if bounds is None:
+        return now, ""
+    ttft_over = slo.ttft_p99_s is not None and sig.ttft_p99_s is not None and sig.ttft_p99_s > slo.ttft_p99_s
+    itl_over = slo.itl_p99_s is not None and sig.itl_p99_s is not None and sig.itl_p99_s > slo.itl_p99_s
+    floor = max(bounds.min, limits.min_batched_tokens)
+    if itl_over and not ttft_over:
+        new = max(floor, min(bounds.max, now // 2))
+        why = f"P99 ITL {sig.itl_p99_s:.3f} s > target {slo.itl_p99_s:g} s, TTFT within its target"
+    elif ttft_over and not itl_over:
+        new = max(floor, min(bounds.max, now * 2))
+        why = f"P99 TTFT {sig.ttft_p99_s:.3f} s > target {slo.ttft_p99_s:g} s, ITL within its target"
+    else:
+        return now, ""
+    if new == now or new > bounds.max:
+        return now, f"{why}: max_num_batched_tokens stays {now}, at its bound"
+    return new, f"{why}: max_num_batched_tokens {now} -> {new}"

@@ -1,0 +1,71 @@
+"""Pod window summaries folded into what the policy and the canary judge on.
+
+Levels and rates are per pod (means over the pods), because a Service spreads requests evenly
+and the thresholds are a single engine's; quantiles come from the pods' histograms merged, which
+is exact, never from an average of per-pod quantiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import fmean
+
+from .sample import Histogram
+from .tuning_spec import SloTargets
+from .window import WindowSummary
+
+
+@dataclass(frozen=True)
+class Signals:
+    """The metrics behind a decision; recorded with it."""
+
+    num_pods: int
+    duration_s: float  # the shortest pod span
+    queue_depth: float  # waiting sequences
+    kv_cache_usage: float
+    num_running_seqs: float
+    preemptions_per_s: float
+    swap_bytes_per_s: float
+    mean_context_tokens: float | None
+    generation_tokens_per_s: float
+    requests_per_s: float  # finished
+    goodput_per_s: float  # finished requests that met the TTFT target (all of them without one)
+    num_requests: int  # finished, all pods
+    ttft_p99_s: float | None
+    itl_p99_s: float | None
+    e2e_p99_s: float | None
+
+
+def aggregate(summaries: Sequence[WindowSummary], slo: SloTargets) -> Signals:
+    if not summaries:
+        raise ValueError("summaries: at least one pod's window is needed")
+    ttft = Histogram.merge(s.ttft for s in summaries)
+    contexts = [s.mean_context_tokens for s in summaries if s.mean_context_tokens is not None]
+    return Signals(
+        num_pods=len(summaries),
+        duration_s=min(s.duration_s for s in summaries),
+        queue_depth=fmean(s.num_waiting_seqs for s in summaries),
+        kv_cache_usage=fmean(s.kv_cache_usage for s in summaries),
+        num_running_seqs=fmean(s.num_running_seqs for s in summaries),
+        preemptions_per_s=fmean(s.preemptions_per_s for s in summaries),
+        swap_bytes_per_s=fmean(s.swap_bytes_per_s for s in summaries),
+        mean_context_tokens=fmean(contexts) if contexts else None,
+        generation_tokens_per_s=fmean(s.generation_tokens_per_s for s in summaries),
+        requests_per_s=fmean(s.e2e.count / s.duration_s for s in summaries),
+        goodput_per_s=fmean(_goodput(s, slo) for s in summaries),
+        num_requests=sum(s.num_requests for s in summaries),
+        ttft_p99_s=ttft.quantile(0.99),
+        itl_p99_s=Histogram.merge(s.itl for s in summaries).quantile(0.99),
+        e2e_p99_s=Histogram.merge(s.e2e for s in summaries).quantile(0.99),
+    )
+
+
+def _goodput(s: WindowSummary, slo: SloTargets) -> float:
+    """Finished requests per second times the share whose first token came within the target.
+    TTFT is the one per-request SLO the metrics carry: ITL is exported per token, so it is
+    judged by its P99 instead of being folded in here."""
+    rate = s.e2e.count / s.duration_s
+    if slo.ttft_p99_s is None or s.ttft.count == 0:
+        return rate
+    return rate * s.ttft.count_at_most(slo.ttft_p99_s) / s.ttft.count

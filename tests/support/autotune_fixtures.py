@@ -1,0 +1,95 @@
+"""Inputs for the autotuner's tests: a serving pod's `/metrics` page as prometheus_client writes
+it (the runtime's names and buckets), and window summaries built field by field."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvpilot.operator.autotune import EngineSettings, WindowSummary
+from kvpilot.operator.autotune import Histogram as Hist
+
+# runtime/metrics.py
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0)
+ITERATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class PodMetrics:
+    """The series a kvpilot pod exports, in a registry of their own. A new instance is a
+    restarted pod: counters from zero, new `_created` times."""
+
+    def __init__(self, model: str = "m", block_size: int = 16, mode: str = "recompute",
+                 num_gpu_blocks: int = 1000) -> None:
+        r, m = CollectorRegistry(), ["model_name"]
+        self.registry, self.model = r, model
+        self.gauges = {name: Gauge(name, name, m, registry=r).labels(model) for name in (
+            "kvpilot_kv_cache_usage_ratio", "kvpilot_num_waiting_seqs", "kvpilot_num_running_seqs",
+            "kvpilot_num_swapped_seqs")}
+        self.preemptions = Counter("vllm:num_preemptions", "", m, registry=r).labels(model)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "", m, registry=r).labels(model)
+        self.generation_tokens = Counter("vllm:generation_tokens", "", m, registry=r).labels(model)
+        swap = Counter("kvpilot_swap_bytes", "", m + ["direction"], registry=r)
+        self.swap_in, self.swap_out = swap.labels(model, "in"), swap.labels(model, "out")
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "", m, buckets=LATENCY_BUCKETS, registry=r).labels(model)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "", m, buckets=LATENCY_BUCKETS, registry=r).labels(model)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "", m, buckets=REQUEST_BUCKETS, registry=r).labels(model)
+        self.iteration = Histogram("kvpilot_iteration_time_seconds", "", m, buckets=ITERATION_BUCKETS,
+                                   registry=r).labels(model)
+        self._info = Gauge("vllm:cache_config_info", "", m + ["block_size", "num_gpu_blocks", "preemption_mode",
+                                                              "enable_prefix_caching"], registry=r)
+        self._info_labels: tuple[str, ...] | None = None
+        self.configure(block_size, mode, num_gpu_blocks)
+
+    def configure(self, block_size: int, mode: str, num_gpu_blocks: int) -> None:
+        if self._info_labels is not None:
+            self._info.remove(*self._info_labels)
+        self._info_labels = (self.model, str(block_size), str(num_gpu_blocks), mode, "false")
+        self._info.labels(*self._info_labels).set(1)
+
+    def set(self, waiting: float = 0, running: float = 0, swapped: float = 0, kv: float = 0.0) -> None:
+        for name, value in (("kvpilot_num_waiting_seqs", waiting), ("kvpilot_num_running_seqs", running),
+                            ("kvpilot_num_swapped_seqs", swapped), ("kvpilot_kv_cache_usage_ratio", kv)):
+            self.gauges[name].set(value)
+
+    def serve(self, requests: int, ttft: float = 0.05, itl: float = 0.02, e2e: float = 0.4,
+              prompt_tokens: int = 100, output_tokens: int = 10) -> None:
+        """`requests` requests finished, each with the same latencies."""
+        for _ in range(requests):
+            self.ttft.observe(ttft)
+            self.e2e.observe(e2e)
+            for _ in range(output_tokens - 1):
+                self.itl.observe(itl)
+            self.prompt_tokens.inc(prompt_tokens)
+            self.generation_tokens.inc(output_tokens)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+def histogram(observations: Iterable[float], bounds: Iterable[float] = LATENCY_BUCKETS) -> Hist:
+    """The cumulative histogram of `observations` in the runtime's buckets."""
+    values, edges = list(observations), (*bounds, math.inf)
+    return Hist(edges, tuple(float(sum(1 for v in values if v <= b)) for b in edges), float(sum(values)))
+
+
+def summary(pod: str = "pod-0", duration_s: float = 60.0, block_size: int = 16, mode: str = "recompute",
+            requests: int = 200, ttft: float = 0.05, itl: float = 0.02, **fields: Any) -> WindowSummary:
+    """A pod's window over `duration_s` ending at t=1000 with `requests` finished requests of the
+    given latencies; every other field from `fields` or a calm default."""
+    base = WindowSummary(
+        pod=pod, start=1000.0 - duration_s, end=1000.0, num_samples=int(duration_s // 10) or 1,
+        settings=EngineSettings(block_size, mode, 1000), settings_changed=False, num_restarts=0,
+        kv_cache_usage=0.2, num_waiting_seqs=0.0, num_running_seqs=4.0, num_swapped_seqs=0.0,
+        mean_context_tokens=300.0, preemptions_per_s=0.0, swap_bytes_per_s=0.0,
+        prompt_tokens_per_s=100.0, generation_tokens_per_s=50.0,
+        iteration_time=histogram([0.02] * requests, ITERATION_BUCKETS),
+        ttft=histogram([ttft] * requests), itl=histogram([itl] * requests * 9),
+        e2e=histogram([0.4] * requests, REQUEST_BUCKETS))
+    return dataclasses.replace(base, **fields)
