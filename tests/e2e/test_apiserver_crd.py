@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 from crd_admission import CEL_REJECTS, MODEL, SCHEMA_REJECTS, SOUND_SPECS, admit
-from kube_control_plane import ControlPlane
+from kube_control_plane import ControlPlane, eventually
 from kubernetes.client import CustomObjectsApi
 from kubernetes.client.exceptions import ApiException
 
@@ -49,7 +49,11 @@ def test_the_crd_is_established_and_the_chart_installed(control_plane: ControlPl
 
 
 def test_kubectl_explain_shows_each_fields_default_and_range(control_plane: ControlPlane) -> None:
-    engine = control_plane.kubectl("explain", "inferenceservice.spec.engine").stdout
+    # The API server publishes a new CRD's OpenAPI a moment after it is Established.
+    explained = eventually(lambda: (done := control_plane.kubectl("explain", "inferenceservice.spec.engine",
+                                                                  check=False)).returncode == 0 and done,
+                           timeout=30, what="the CRD's OpenAPI to be published")
+    engine = explained.stdout
     assert "--block-size, tokens per KV cache block. One of 8, 16, 32, 64. Default 16." in engine
     assert "Default true." in engine  # enableChunkedPrefill: the runtime's default
     replicas = control_plane.kubectl("explain", "kvis.spec.replicas").stdout
