@@ -27,9 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=8080,
                         help="serve /metrics on this port (0: off; default %(default)s)")
     parser.add_argument("--health-port", type=int, default=8081,
-                        help="serve the /healthz liveness probe on this port (0: off; default %(default)s)")
+                        help="serve /healthz (liveness) and /readyz (the API server is reachable) on this "
+                             "port (0: off; default %(default)s)")
     parser.add_argument("--resync-interval", type=float, default=300.0, metavar="SECONDS",
-                        help="re-check every InferenceService this often to repair drift (default %(default)s)")
+                        help="re-check every InferenceService this often, a safety net for a missed event "
+                             "(default %(default)s)")
+    parser.add_argument("--workers", type=int, default=4,
+                        help="InferenceServices reconciled at once (default %(default)s)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     parser.add_argument("--debug", action="store_true", help="log everything, including API traffic")
 
@@ -45,16 +49,20 @@ def run(args: argparse.Namespace) -> int:
     if args.peering and args.standalone:
         print("kvpilot operator: --peering and --standalone exclude each other")
         return 2
-    if args.resync_interval <= 0:
-        print("kvpilot operator: --resync-interval must be > 0")
+    try:
+        config = handlers.OperatorConfig(image=args.image, resync_interval=args.resync_interval,
+                                         workers=args.workers, health_port=args.health_port)
+    except ValueError as exc:
+        print(f"kvpilot operator: --{str(exc).replace('_', '-')}")
         return 2
     kopf.configure(verbose=args.verbose, debug=args.debug)
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    if not (args.verbose or args.debug):  # a line per watch event says nothing our Events do not
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     registry = kopf.OperatorRegistry()
-    handlers.register(registry, handlers.OperatorConfig(image=args.image, resync_interval=args.resync_interval))
+    handlers.register(registry, config)
     if args.metrics_port:
         metrics.serve(args.metrics_port)
-    liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
     kopf.run(
         registry=registry,
         clusterwide=args.all_namespaces,
@@ -62,6 +70,5 @@ def run(args: argparse.Namespace) -> int:
         standalone=args.standalone or None,
         peering_name=args.peering,
         priority=args.priority,
-        liveness_endpoint=liveness,
     )
     return 0

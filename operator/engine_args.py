@@ -10,6 +10,12 @@ from .model_source import ModelSource
 from .spec import InferenceServiceSpec
 
 SERVE_PORT = 8000
+# Booleans passed both ways (`--no-X` when off), so what the pod runs never rests on the
+# runtime's default agreeing with the spec's.
+NEGATABLE_SWITCHES = (("--enable-chunked-prefill", "enable_chunked_prefill"),
+                      ("--enable-prefix-caching", "enable_prefix_caching"))
+# `kvpilot serve` has only the positive form of these; off is its default (a test checks it).
+SWITCHES = (("--enforce-eager", "enforce_eager"), ("--disable-log-stats", "disable_log_stats"))
 
 
 def _num(value: float) -> str:
@@ -47,15 +53,10 @@ def serve_args(spec: InferenceServiceSpec, source: ModelSource, served_model_nam
     for flag, value in optional:
         if value is not None:
             args += [flag, _num(value)]
-    switches = [
-        ("--enable-chunked-prefill", engine.enable_chunked_prefill),
-        ("--enable-prefix-caching", engine.enable_prefix_caching),
-        ("--enforce-eager", engine.enforce_eager),
-        ("--disable-log-stats", engine.disable_log_stats),
-    ]
-    args += [flag for flag, on in switches if on]
-    if engine.device != "auto":
-        args += ["--device", engine.device]
+    for flag, attr in NEGATABLE_SWITCHES:
+        args.append(flag if getattr(engine, attr) else "--no-" + flag.removeprefix("--"))
+    args += [flag for flag, attr in SWITCHES if getattr(engine, attr)]
+    args += ["--device", engine.device]
     return args + ["--drain-timeout", str(drain_timeout(spec))]
 
 

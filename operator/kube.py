@@ -23,9 +23,11 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Service": ("/api/v1", "services"),
     "Secret": ("/api/v1", "secrets"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "Event": ("/api/v1", "events"),
     "InferenceService": ("/apis/serving.kvpilot.io/v1alpha1", "inferenceservices"),
 }
 MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 
 
 class ApiError(Exception):
@@ -115,9 +117,22 @@ class Kube:
         meta = obj["metadata"]
         return self._request("PUT", _path(obj["kind"], meta["namespace"], meta["name"]), obj)
 
-    def patch(self, kind: str, namespace: str, name: str, patch: Manifest,
+    def patch(self, kind: str, namespace: str, name: str, patch: Manifest | list[Manifest],
               subresource: str | None = None) -> Manifest:
-        return self._request("PATCH", _path(kind, namespace, name, subresource), patch, MERGE_PATCH)
+        """A JSON merge patch, or a JSON patch (RFC 6902) when `patch` is a list of operations."""
+        content_type = JSON_PATCH if isinstance(patch, list) else MERGE_PATCH
+        return self._request("PATCH", _path(kind, namespace, name, subresource), patch, content_type)
+
+    def ping(self, timeout: float) -> bool:
+        """The API server answers and says it is ready (`/readyz` is open to every client)."""
+        try:
+            response = self._client.call_api(*self._client.param_serialize(
+                method="GET", resource_path="/readyz", header_params={"Accept": "text/plain"},
+                auth_settings=["BearerToken"]), _request_timeout=timeout)
+            response.read()
+        except (ApiException, urllib3.exceptions.HTTPError, OSError):
+            return False
+        return 200 <= response.status <= 299
 
     def delete(self, kind: str, namespace: str, name: str) -> bool:
         """True if something was deleted; a missing object is not an error."""

@@ -288,8 +288,8 @@ def build_pdb(owner: Owner, spec: InferenceServiceSpec) -> Manifest:
     return with_spec_hash(pdb)
 
 
-def engine_in_force(owner: Owner, spec: InferenceServiceSpec, source: ModelSource) -> Manifest:
-    """status.engine: the configuration the Deployment's pods run with."""
+def engine_config(owner: Owner, spec: InferenceServiceSpec, source: ModelSource) -> Manifest:
+    """The engine configuration the spec's pods run with, as status.engine shows it."""
     engine = spec.engine
     config: Manifest = {
         "model": source.model_arg or "embedded",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 RECONCILES = Counter("kvpilot_operator_reconciles", "InferenceService reconciles by result",
-                     ["result"])  # success | retry | failed
+                     ["result"])  # success | retry | conflict | failed
 API_ERRORS = Counter("kvpilot_operator_api_errors", "Kubernetes API errors by HTTP status (0: unreachable)",
                      ["status"])
 CHILD_CHANGES = Counter("kvpilot_operator_child_changes", "Children written, by kind and action",

@@ -1,8 +1,12 @@
 """Reconciliation: make the cluster hold what the builders say, and report what it holds.
 
-Each child is read, then created, replaced (its spec hash differs) or scaled (only the replica
-count differs); an unchanged child costs a GET. Replacing uses the live resourceVersion, so a
-concurrent writer makes the API server answer 409 and the handler retries on fresh data.
+Each child is read, then created, replaced or scaled; an unchanged child costs a GET. It is
+replaced when the spec moved (its spec-hash annotation differs: this also catches a field the
+spec no longer sets) or when a hand edit changed a field the operator sets (`compare.covers`:
+`kubectl set image` is rolled back); only scaled when just the replica count differs. Replacing
+uses the live resourceVersion, so a concurrent writer makes the API server answer 409 and the
+key is retried on fresh data. Deleting is the garbage collector's job (ownerReferences), so
+deletion never waits for the operator.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 
 import pydantic
 
+from .compare import covers
 from .kube import Kube
 from .manifests import (
     SPEC_HASH_ANNOTATION,
@@ -94,6 +99,18 @@ def _replacement(desired: Manifest, live: Manifest) -> Manifest:
     return body
 
 
+def _drift(live: Manifest, desired: Manifest) -> str | None:
+    """Why `live` must be replaced by `desired`, or None; the replica count is left to `apply`."""
+    live_hash = (live["metadata"].get("annotations") or {}).get(SPEC_HASH_ANNOTATION)
+    if live_hash != desired["metadata"]["annotations"][SPEC_HASH_ANNOTATION]:
+        return "rolling out the new pod template" if desired["kind"] == "Deployment" else "spec changed"
+    essence = copy.deepcopy(desired)
+    essence.get("spec", {}).pop("replicas", None)
+    meta = essence["metadata"]
+    essence["metadata"] = {k: meta[k] for k in ("labels", "annotations", "ownerReferences") if k in meta}
+    return None if covers(live, essence) else "repairing a change made by hand"
+
+
 def apply(kube: Kube, owner: Owner, desired: Manifest, changes: list[Change]) -> Manifest:
     kind, meta = desired["kind"], desired["metadata"]
     live = kube.get(kind, meta["namespace"], meta["name"])
@@ -101,10 +118,8 @@ def apply(kube: Kube, owner: Owner, desired: Manifest, changes: list[Change]) ->
         changes.append(Change("Created", kind, meta["name"]))
         return kube.create(desired)
     _check_owned(live, owner)
-    live_hash = (live["metadata"].get("annotations") or {}).get(SPEC_HASH_ANNOTATION)
-    if live_hash != meta["annotations"][SPEC_HASH_ANNOTATION]:
-        detail = "rolling out the new pod template" if kind == "Deployment" else "spec changed"
-        changes.append(Change("Updated", kind, meta["name"], detail))
+    if (why := _drift(live, desired)) is not None:
+        changes.append(Change("Updated", kind, meta["name"], why))
         return kube.replace(_replacement(desired, live))
     want = desired.get("spec", {}).get("replicas")
     have = live.get("spec", {}).get("replicas")
@@ -144,21 +159,3 @@ def reconcile(kube: Kube, body: Any, image: str, now: str) -> Outcome:
     generation = body.get("metadata", {}).get("generation", 0)
     status = build_status(body.get("status") or {}, generation, owner, spec, source, deployment, now)
     return Outcome(status=status, changes=changes)
-
-
-def observed_status(body: Any, deployment: Manifest | None, now: str) -> Manifest:
-    """status from a Deployment event, without writing any child."""
-    desired = parse(body)
-    generation = body.get("metadata", {}).get("generation", 0)
-    return build_status(body.get("status") or {}, generation, desired.owner, desired.spec,
-                        desired.source, deployment, now)
-
-
-def cleanup(kube: Kube, owner: Owner) -> list[Change]:
-    """Delete the children now rather than leave it to the garbage collector: the finalizer
-    holds the InferenceService until its pods are on their way out."""
-    changes: list[Change] = []
-    for kind, name in (("PodDisruptionBudget", owner.name), ("Service", owner.name),
-                       ("Deployment", owner.name), ("Secret", owner.admin_secret_name)):
-        _delete_owned(kube, kind, owner, name, changes)
-    return changes

@@ -2,7 +2,8 @@
 
 The CRD (crds/) is the source of truth for defaults and validation; the defaults here repeat it
 (a test checks they agree) because an object may reach the operator without the API server's
-defaulting, e.g. one stored before a field was added.
+defaulting, e.g. one stored before a field was added. The engine defaults are the runtime's own
+(`kvpilot serve`'s flags): tests/operator/test_engine_defaults.py compares all three.
 """
 
 from __future__ import annotations
@@ -47,14 +48,14 @@ class EngineSpec(_Model):
     max_model_len: int | None = None
     preemption_mode: PreemptionMode = "recompute"
     scheduler_policy: Literal["fcfs", "fair", "priority"] = "fcfs"
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
     enforce_eager: bool = False
     max_queue_len: int | None = None
     disable_log_stats: bool = False
-    metric_interval: float | None = None
+    metric_interval: float = Field(default=10, ge=0.1, le=3600)
     device: Literal["auto", "cuda", "cpu"] = "auto"
-    seed: int | None = None
+    seed: int = Field(default=0, ge=0)
 
 
 class AutotuneThresholds(_Model):

@@ -5,8 +5,13 @@ reconcile that changes nothing writes nothing.
 
 * Ready — every desired replica is ready (False when scaled to zero).
 * Progressing — a rollout or scale is under way.
-* Degraded — the spec cannot work, or the Deployment reports it is stuck.
+* Degraded — the spec cannot work (InvalidSpec), an API error keeps the operator from applying
+  it (ApiError, retried meanwhile), or the Deployment reports it is stuck.
 * Tuned — owned by the autotuner; here only its placeholder while autotune is off or waiting.
+
+`engine` is the engine configuration in force: it moves to the spec's only once the Deployment
+has rolled it out to every pod (`kubectl rollout status`'s test), so the BLOCK column never shows
+a block size no pod runs yet; meanwhile `engineRollingOut` shows what is coming.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from .manifests import Owner, engine_in_force, selector_string, service_url
+from .manifests import Owner, engine_config, selector_string, service_url
 from .model_source import ModelSource
 from .spec import InferenceServiceSpec
 
@@ -91,6 +96,24 @@ def rollout_conditions(deployment: Manifest | None, desired: int) -> list[Manife
     return [ready_cond, progressing, degraded]
 
 
+def rollout_complete(deployment: Manifest | None, desired: int) -> bool:
+    """The Deployment controller has seen the current template and every pod runs it, available."""
+    if deployment is None:
+        return False
+    status = deployment.get("status", {}) or {}
+    if status.get("observedGeneration", 0) < deployment.get("metadata", {}).get("generation", 0):
+        return False
+    updated = status.get("updatedReplicas", 0) or 0
+    return updated >= desired and (status.get("replicas", 0) or 0) <= updated \
+        and (status.get("availableReplicas", 0) or 0) >= updated
+
+
+def engine_status(current: Manifest, desired: Manifest, complete: bool) -> Manifest:
+    """status.engine (in force) and status.engineRollingOut (coming); None removes a field."""
+    in_force = desired if complete else current.get("engine")
+    return {"engine": in_force, "engineRollingOut": None if in_force == desired else desired}
+
+
 def tuned_placeholder(spec: InferenceServiceSpec, current: list[Manifest]) -> list[Manifest]:
     """The Tuned slot until the autotuner takes it over; an autotuner's own reasons are kept."""
     existing = next((c for c in current if c.get("type") == "Tuned"), None)
@@ -107,6 +130,7 @@ def build_status(current: Manifest, generation: int, owner: Owner, spec: Inferen
     dstatus = (deployment or {}).get("status", {}) or {}
     conditions = current.get("conditions", []) or []
     updates = rollout_conditions(deployment, spec.replicas) + tuned_placeholder(spec, conditions)
+    engine = engine_status(current, engine_config(owner, spec, source), rollout_complete(deployment, spec.replicas))
     return {
         "observedGeneration": generation,
         "conditions": merge_conditions(conditions, updates, generation, now),
@@ -115,7 +139,7 @@ def build_status(current: Manifest, generation: int, owner: Owner, spec: Inferen
         "updatedReplicas": dstatus.get("updatedReplicas", 0) or 0,
         "selector": selector_string(owner),
         "url": service_url(owner),
-        "engine": engine_in_force(owner, spec, source),
+        **engine,
     }
 
 
@@ -126,6 +150,14 @@ def invalid_spec_status(current: Manifest, generation: int, message: str, now: s
                condition("Degraded", True, "InvalidSpec", message)]
     return {"observedGeneration": generation,
             "conditions": merge_conditions(conditions, updates, generation, now)}
+
+
+def api_error_status(current: Manifest, generation: int, message: str, now: str) -> Manifest:
+    """Degraded while an API error keeps the operator from applying the spec; the rest of status
+    still says what was last observed."""
+    conditions = current.get("conditions", []) or []
+    update = condition("Degraded", True, "ApiError", message)
+    return {"conditions": merge_conditions(conditions, [update], generation, now)}
 
 
 def status_changes(current: Manifest, new: Manifest) -> Manifest:

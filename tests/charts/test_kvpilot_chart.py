@@ -129,12 +129,20 @@ def test_more_than_one_replica_peers(chart: Any) -> None:
 def test_rbac_covers_every_kind_the_operator_writes(chart: Any) -> None:
     rules = _one(render(chart), "ClusterRole")["rules"]
     granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    needed = {"inferenceservices": ("get", "list", "watch", "patch"), "events": ("create",)}
     for prefix, plural in RESOURCES.values():
         group = prefix.split("/")[2] if prefix.startswith("/apis/") else ""
-        for verb in ("get", "patch") if plural == "inferenceservices" else ("get", "create", "update", "patch", "delete"):
+        for verb in needed.get(plural, ("get", "list", "watch", "create", "update", "patch", "delete")):
             assert (group, plural, verb) in granted, (group, plural, verb)
     assert ("serving.kvpilot.io", "inferenceservices/status", "patch") in granted
-    assert ("", "events", "create") in granted
+    # children with blockOwnerDeletion, under the OwnerReferencesPermissionEnforcement admission plugin
+    assert ("serving.kvpilot.io", "inferenceservices/finalizers", "update") in granted
+
+
+def test_operator_is_ready_only_while_it_reaches_the_api_server(chart: Any) -> None:
+    container = _one(render(chart), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
 
 
 def test_operator_pod_is_locked_down(chart: Any) -> None:

@@ -36,3 +36,9 @@ def test_registered_as_kvpilot_operator() -> None:
     from kvpilot.runtime.cli import SUBCOMMANDS
 
     assert SUBCOMMANDS["operator"][0] == "kvpilot.operator.cli"
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--workers", "0"), ("--resync-interval", "-1")])
+def test_run_refuses_bad_numbers_naming_the_flag(capsys: pytest.CaptureFixture[str], flag: str, value: str) -> None:
+    assert cli.run(_parse("-A", flag, value)) == 2
+    assert capsys.readouterr().out.startswith(f"kvpilot operator: {flag}: must be")

@@ -24,7 +24,15 @@ def test_defaults_are_spelled_as_vllm_flags() -> None:
     assert _flag(args, "--gpu-memory-utilization") == "0.9"
     assert _flag(args, "--swap-space") == "4"
     assert _flag(args, "--tensor-parallel-size") == "1"
-    assert "--enable-chunked-prefill" not in args
+    assert "--enable-chunked-prefill" in args and "--no-enable-prefix-caching" in args
+    assert "--enforce-eager" not in args
+
+
+def test_switches_the_spec_turns_off_are_passed_as_no_flags() -> None:
+    args = _args({"model": {"source": "embedded"},
+                  "engine": {"enableChunkedPrefill": False, "enablePrefixCaching": False}})
+    assert "--no-enable-chunked-prefill" in args and "--enable-chunked-prefill" not in args
+    assert "--no-enable-prefix-caching" in args
 
 
 def test_every_engine_field_reaches_its_flag() -> None:

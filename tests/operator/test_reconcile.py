@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from kvpilot.operator.kube import ApiError
-from kvpilot.operator.manifests import SPEC_HASH_ANNOTATION, Owner
+from kvpilot.operator.manifests import SPEC_HASH_ANNOTATION
 from kvpilot.operator.model_source import SpecError
-from kvpilot.operator.reconcile import cleanup, reconcile
+from kvpilot.operator.reconcile import reconcile
 
 
 class FakeKube:
@@ -154,9 +154,37 @@ def test_api_errors_propagate_for_the_handler_to_retry(kube: FakeKube, make_isvc
     assert ("Deployment", "default", "llama") in kube.objects
 
 
-def test_cleanup_deletes_only_owned_children(kube: FakeKube, make_isvc: Callable[..., Any]) -> None:
-    body = make_isvc({"model": {"source": "embedded"}})
-    _run(kube, body)
-    changes = cleanup(kube, Owner.from_body(body))  # type: ignore[arg-type]
-    assert {c.kind for c in changes} == {"Deployment", "Service", "Secret", "PodDisruptionBudget"}
-    assert kube.objects == {}
+def test_a_hand_edited_image_is_rolled_back(kube: FakeKube, make_isvc: Callable[..., Any]) -> None:
+    """`kubectl set image` leaves the spec-hash annotation as it was: the fields themselves tell."""
+    _run(kube, make_isvc({"model": {"source": "embedded"}}))
+    container = kube.objects["Deployment", "default", "llama"]["spec"]["template"]["spec"]["containers"][0]
+    container["image"] = "other:1"
+    kube.writes.clear()
+    outcome = _run(kube, make_isvc({"model": {"source": "embedded"}}))
+    assert kube.writes == [("replace", "Deployment", "llama")]
+    assert outcome.changes[0].detail == "repairing a change made by hand"
+    live = kube.objects["Deployment", "default", "llama"]["spec"]["template"]["spec"]["containers"][0]
+    assert live["image"] == "kvpilot:test"
+
+
+def test_fields_the_api_server_adds_or_rewrites_are_not_drift(kube: FakeKube, make_isvc: Callable[..., Any]) -> None:
+    """Defaults the API server fills in, quantities it canonicalises and labels others add."""
+    _run(kube, make_isvc({"model": {"source": "embedded"}, "resources": {"cpu": "0.5", "gpus": 1}}))
+    deployment = kube.objects["Deployment", "default", "llama"]
+    pod = deployment["spec"]["template"]["spec"]
+    pod["dnsPolicy"] = "ClusterFirst"
+    pod["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+    pod["containers"][0]["resources"]["requests"].update({"cpu": "500m", "nvidia.com/gpu": "1"})
+    deployment["metadata"]["labels"]["team"] = "ml"
+    kube.writes.clear()
+    _run(kube, make_isvc({"model": {"source": "embedded"}, "resources": {"cpu": "0.5", "gpus": 1}}))
+    assert kube.writes == []
+
+
+def test_a_removed_field_rolls_out_although_the_rest_still_covers_it(kube: FakeKube,
+                                                                     make_isvc: Callable[..., Any]) -> None:
+    _run(kube, make_isvc({"model": {"source": "embedded"}, "placement": {"nodeSelector": {"gpu": "h200"}}}))
+    kube.writes.clear()
+    _run(kube, make_isvc({"model": {"source": "embedded"}}))
+    assert kube.writes == [("replace", "Deployment", "llama")]
+    assert "nodeSelector" not in kube.objects["Deployment", "default", "llama"]["spec"]["template"]["spec"]

@@ -6,9 +6,11 @@ from kvpilot.operator.manifests import Owner
 from kvpilot.operator.model_source import resolve_model_source
 from kvpilot.operator.spec import InferenceServiceSpec
 from kvpilot.operator.status import (
+    api_error_status,
     build_status,
     invalid_spec_status,
     merge_conditions,
+    rollout_complete,
     rollout_conditions,
     status_changes,
 )
@@ -20,7 +22,7 @@ def _deployment(ready: int, updated: int, total: int, generation: int = 1, obser
                 conditions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"metadata": {"generation": generation},
             "status": {"observedGeneration": observed, "readyReplicas": ready, "updatedReplicas": updated,
-                       "replicas": total, "conditions": conditions or []}}
+                       "availableReplicas": ready, "replicas": total, "conditions": conditions or []}}
 
 
 def _by_type(conditions: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
@@ -86,3 +88,48 @@ def test_invalid_spec_is_degraded() -> None:
     status = invalid_spec_status({}, 4, "bad source", "t")
     assert _by_type(status["conditions"])["Degraded"] == ("True", "InvalidSpec")
     assert status["observedGeneration"] == 4
+
+
+def _spec(block_size: int, replicas: int = 2) -> InferenceServiceSpec:
+    return InferenceServiceSpec.model_validate({"model": {"source": "embedded"}, "replicas": replicas,
+                                                "engine": {"blockSize": block_size}})
+
+
+def _status(current: dict[str, Any], spec: InferenceServiceSpec, deployment: dict[str, Any]) -> dict[str, Any]:
+    return build_status(current, 2, OWNER, spec, resolve_model_source("embedded"), deployment, "t")
+
+
+def test_the_engine_in_force_moves_only_when_every_pod_runs_the_new_one() -> None:
+    """The BLOCK column reads status.engine: it must not show 32 while pods with 16 still serve."""
+    settled = _status({}, _spec(16), _deployment(2, 2, 2))
+    assert settled["engine"]["blockSize"] == 16 and settled["engineRollingOut"] is None
+
+    midway = _status(settled, _spec(32), _deployment(2, 1, 3, generation=2, observed=2))
+    assert midway["engine"]["blockSize"] == 16
+    assert midway["engineRollingOut"]["blockSize"] == 32
+
+    unseen = _status(settled, _spec(32), _deployment(2, 2, 2, generation=2, observed=1))
+    assert unseen["engine"]["blockSize"] == 16  # the controller has not even seen the new template
+
+    done = _status(midway, _spec(32), _deployment(2, 2, 2, generation=2, observed=2))
+    assert done["engine"]["blockSize"] == 32 and done["engineRollingOut"] is None
+    changes = status_changes(midway, done)  # the patch removes engineRollingOut (a null in a merge patch)
+    assert changes["engine"]["blockSize"] == 32 and "engineRollingOut" in changes and changes["engineRollingOut"] is None
+
+
+def test_no_engine_is_in_force_before_a_first_pod_is_available() -> None:
+    status = _status({}, _spec(16), _deployment(0, 2, 2))
+    assert status["engine"] is None and status["engineRollingOut"]["blockSize"] == 16
+
+
+def test_rollout_complete_needs_every_pod_updated_and_available() -> None:
+    assert rollout_complete(_deployment(2, 2, 2), 2)
+    assert not rollout_complete(_deployment(1, 2, 2), 2)  # one not available yet
+    assert not rollout_complete(_deployment(2, 2, 3), 2)  # an old pod still terminating
+    assert not rollout_complete(None, 1)
+
+
+def test_a_persistent_api_error_is_degraded_and_keeps_the_rest() -> None:
+    current = {"conditions": [{"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": ""}]}
+    status = api_error_status(current, 3, "403 Forbidden: deployments.apps is forbidden", "t")
+    assert _by_type(status["conditions"]) == {"Ready": ("True", "AllReplicasReady"), "Degraded": ("True", "ApiError")}

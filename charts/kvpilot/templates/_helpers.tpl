@@ -45,6 +45,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [serving.kvpilot.io]
   resources: [inferenceservices/status]
   verbs: [get, patch, update]
+# Children carry blockOwnerDeletion: the OwnerReferencesPermissionEnforcement admission plugin
+# (on in OpenShift and hardened clusters) allows that only to who may update the owner's finalizers.
+- apiGroups: [serving.kvpilot.io]
+  resources: [inferenceservices/finalizers]
+  verbs: [update]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, update, patch, delete]
