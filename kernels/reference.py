@@ -79,8 +79,8 @@ def paged_attention(
         shape = (num_seqs, -1, num_kv_heads, head_dim)
         k = k_cache.index_select(0, decode.table).view(shape)[:, :decode.max_len]
         v = v_cache.index_select(0, decode.table).view(shape)[:, :decode.max_len]
-        # a GQA group's query heads become the query rows of their KV head: no K/V expansion
-        # (on 2 cores 170 us against 250 us with enable_gqa for 16 x 9/3 heads x 150 keys)
+        # a GQA group's query heads become the query rows of their KV head: no K/V expansion,
+        # quicker than SDPA's enable_gqa here (benchmarks/RESULTS.md, engine core on CPU)
         o = F.scaled_dot_product_attention(
             (q if decode.rows is None else q[decode.rows]).reshape(num_seqs, num_kv_heads, -1, head_dim),
             k.transpose(1, 2), v.transpose(1, 2),  # (B, Hk, L, D)
@@ -113,8 +113,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x (num_tokens, hidden) -> normalised copy, computed in float32."""
     if x.dtype == weight.dtype == torch.float32 and x.shape[0] <= 64:
         # torch's fused kernel: bit-identical to the steps below in float32 and quicker for the few
-        # rows of a decode step (34 against 48 us for 16 x 576 on 2 cores), but single-threaded,
-        # so 3.6x slower for an 864-row prefill
+        # rows of a decode step, but single-threaded, so slower for a prefill's many rows
+        # (benchmarks/RESULTS.md, engine core on CPU)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

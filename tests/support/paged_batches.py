@@ -108,7 +108,8 @@ def max_query_len(batch: Batch) -> int:
 def run_triton(batch: Batch, scale: float, hint: bool = False, **kwargs: object) -> torch.Tensor:
     """The Triton kernels into a NaN-poisoned output; hint passes max_query_len as the engine
     does (without it an all-decode batch runs the decode kernel that loops over any q_len)."""
-    from kvpilot.kernels.paged_attention import paged_attention_with  # imports triton: kernel tests only
+    # imported here: it imports triton, which only the kernel tests need
+    from kvpilot.kernels.paged_attention import paged_attention_with
 
     poisoned = torch.full_like(batch[0], float("nan"))
     if hint:
