@@ -183,7 +183,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
 
 def launch(args: LaunchArgs, config: DecodeConfig, num_splits: int, split_size: int, multi: bool) -> None:
     """Decode the sequences with one new token (every sequence's tokens when `multi`) into
-    args.out; `split_size` is a multiple of config.block_n covering the context in num_splits."""
+    args.out; `split_size` is a multiple of config.block_n covering the context in num_splits.
+    The layouts in args passed `launcher.check`."""
     out, q = args.out, args.q
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = args.k_cache.shape

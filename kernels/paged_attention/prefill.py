@@ -87,7 +87,8 @@ def _prefill_kernel(
 
 
 def launch(args: LaunchArgs, config: PrefillConfig) -> None:
-    """Attend the sequences with several new tokens into args.out."""
+    """Attend the sequences with several new tokens into args.out; the layouts in args passed
+    `launcher.check`."""
     q, out = args.q, args.out
     num_tokens, _, head_dim = q.shape
     _, block_size, num_kv_heads, _ = args.k_cache.shape

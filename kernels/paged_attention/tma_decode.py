@@ -135,7 +135,8 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 
 
 def launch(args: LaunchArgs, config: TmaDecodeConfig) -> None:
-    """Decode the single-token sequences into args.out; the caches passed `unsupported`."""
+    """Decode the single-token sequences into args.out; the layouts in args passed
+    `launcher.check`, and the caches `unsupported`."""
     q, out, k_cache = args.q, args.out, args.k_cache
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
