@@ -136,7 +136,8 @@ class Bench:
 
     # ---------------------------------------------------------------- correctness
     def check_correctness(self) -> None:
-        from kvpilot.kernels import reference, triton_ops
+        from kvpilot.kernels import norm, reference, rotary
+        from kvpilot.kernels.paged_attention import paged_attention
 
         worst = 0.0
         for block_size in (8, 16, 32, 64):
@@ -145,17 +146,17 @@ class Bench:
                 batch = self.paged_batch(specs, 32, 8, 128, block_size)
                 ref = reference.paged_attention(*batch, 128 ** -0.5)
                 for hint in (None, max(q for _, q in specs)):
-                    worst = max(worst, rel(triton_ops.paged_attention(*batch, 128 ** -0.5, hint), ref))
+                    worst = max(worst, rel(paged_attention(*batch, 128 ** -0.5, hint), ref))
         batch = self.paged_batch([(32768, 1)] * 4, 32, 8, 128, 16)
         ref = reference.paged_attention(*batch, 128 ** -0.5)
         for hint in (None, 1):
-            worst = max(worst, rel(triton_ops.paged_attention(*batch, 128 ** -0.5, hint), ref))
+            worst = max(worst, rel(paged_attention(*batch, 128 ** -0.5, hint), ref))
         x = torch.randn(4096, 4096, dtype=torch.bfloat16, device=self.device)
         res = torch.randn_like(x)
         w = torch.randn(4096, dtype=torch.bfloat16, device=self.device)
         x2, res2 = x.clone(), res.clone()
         reference.fused_add_rms_norm(x, res, w, 1e-5)
-        triton_ops.fused_add_rms_norm(x2, res2, w, 1e-5)
+        norm.fused_add_rms_norm(x2, res2, w, 1e-5)
         norm_err = max(rel(x2, x), rel(res2, res))
         pos = torch.randint(0, 8192, (4096,), device=self.device)
         cs = torch.randn(8192, 128, device=self.device)
@@ -163,7 +164,7 @@ class Bench:
         k = torch.randn(4096, 8, 128, dtype=torch.bfloat16, device=self.device)
         q2, k2 = q.clone(), k.clone()
         reference.rotary_embedding(pos, q, k, cs)
-        triton_ops.rotary_embedding(pos, q2, k2, cs)
+        rotary.rotary_embedding(pos, q2, k2, cs)
         rope_err = max(rel(q2, q), rel(k2, k))
         print(f"correctness (relative L2 error vs reference): attention {worst:.2e}, "
               f"fused add+rmsnorm {norm_err:.2e}, rotary {rope_err:.2e}", flush=True)
@@ -185,11 +186,8 @@ class Bench:
 
     # ---------------------------------------------------------------- attention
     def bench_decode(self, copy_rate: float) -> None:
-        from kvpilot.kernels.paged_attention import (
-            TMA_BLOCK_SIZES,
-            DecodeConfig,
-            paged_attention_with,
-        )
+        from kvpilot.kernels.paged_attention import DecodeConfig, paged_attention_with
+        from kvpilot.kernels.paged_attention.tma_decode import BLOCK_SIZES as TMA_BLOCK_SIZES
 
         b, ctx, heads, kv_heads, d = 64, 2048, 32, 8, 128
         kv_bytes = 2 * b * ctx * kv_heads * d * 2
@@ -374,7 +372,7 @@ class Bench:
 
     # ---------------------------------------------------------------- layers
     def bench_layers(self, copy_rate: float) -> None:
-        from kvpilot.kernels import triton_ops
+        from kvpilot.kernels import cache, norm, rotary
         from kvpilot.kernels.reference import kv_cache_empty
 
         t, hidden = 16384, 4096
@@ -382,10 +380,10 @@ class Bench:
         res = torch.randn_like(x)
         w = torch.randn(hidden, dtype=torch.bfloat16, device=self.device)
         nbytes = 4 * x.numel() * 2  # read x and residual, write both
-        ms = self.time_ms(lambda: triton_ops.fused_add_rms_norm(x, res, w, 1e-5))
+        ms = self.time_ms(lambda: norm.fused_add_rms_norm(x, res, w, 1e-5))
         self.record("norm", "fused add + RMSNorm 16384x4096", ms, TBps=nbytes / ms / 1e9,
                     of_copy=nbytes / ms / 1e9 / copy_rate)
-        ms = self.time_ms(lambda: triton_ops.rms_norm(x, w, 1e-5))
+        ms = self.time_ms(lambda: norm.rms_norm(x, w, 1e-5))
         nbytes = 2 * x.numel() * 2
         self.record("norm", "RMSNorm 16384x4096", ms, TBps=nbytes / ms / 1e9, of_copy=nbytes / ms / 1e9 / copy_rate)
         heads, kv_heads, d = 32, 8, 128
@@ -394,7 +392,7 @@ class Bench:
         cs = torch.randn(8192, d, device=self.device)
         pos = torch.randint(0, 8192, (t,), device=self.device)
         nbytes = 2 * (q.numel() + k.numel()) * 2 + t * d * 4 + t * 8  # q, k in and out; cos/sin rows
-        ms = self.time_ms(lambda: triton_ops.rotary_embedding(pos, q, k, cs))
+        ms = self.time_ms(lambda: rotary.rotary_embedding(pos, q, k, cs))
         self.record("rotary", "rotary 16384 tok, 32/8 heads, hd 128", ms, TBps=nbytes / ms / 1e9,
                     of_copy=nbytes / ms / 1e9 / copy_rate)
         v = torch.randn_like(k)
@@ -403,7 +401,7 @@ class Bench:
                                            device=self.device).normal_() for _ in range(2))
         slots = torch.randperm(num_blocks * 16, device=self.device)[:t]
         nbytes = 4 * k.numel() * 2 + t * 8
-        ms = self.time_ms(lambda: triton_ops.write_kv_cache(k, v, k_cache, v_cache, slots))
+        ms = self.time_ms(lambda: cache.write_kv_cache(k, v, k_cache, v_cache, slots))
         self.record("kv write", "write_kv_cache 16384 tok, 8 heads, hd 128", ms, TBps=nbytes / ms / 1e9,
                     of_copy=nbytes / ms / 1e9 / copy_rate)
 
@@ -413,7 +411,7 @@ class Bench:
 
     def section(self, header: str) -> str:
         """The RESULTS.md section: every figure against its issue-5 target."""
-        from kvpilot.kernels.paged_attention import TMA_BLOCK_SIZES
+        from kvpilot.kernels.paged_attention.tma_decode import BLOCK_SIZES as TMA_BLOCK_SIZES
 
         def get(group: str, name: str, key: str) -> float:
             r = self._row(group, name)

@@ -13,8 +13,10 @@ from collections.abc import Callable
 import torch
 
 from kvpilot.kernels import cache, norm, rotary
-from kvpilot.kernels import paged_attention as pa
+from kvpilot.kernels.paged_attention import launcher, pointer_decode, prefill, tma_decode
 from kvpilot.kernels.reference import kv_cache_empty
+from kvpilot.kernels.step_plan import StepPlan
+from kvpilot.kernels.triton_ops import TritonOps
 
 
 class _NoLaunch:
@@ -37,9 +39,9 @@ def per_call_us(fn: Callable[[], object], n: int = 2000, repeats: int = 7) -> fl
 
 
 def main() -> None:
-    for module, name in ((pa, "_decode_kernel"), (pa, "_decode_tma_kernel"), (pa, "_prefill_kernel"),
-                         (pa, "_reduce_kernel"), (cache, "_write_kv_cache_kernel"), (norm, "_rms_norm_kernel"),
-                         (rotary, "_rotary_kernel")):
+    for module, name in ((pointer_decode, "_decode_kernel"), (tma_decode, "_decode_tma_kernel"),
+                         (prefill, "_prefill_kernel"), (pointer_decode, "_reduce_kernel"),
+                         (cache, "_write_kv_cache_kernel"), (norm, "_rms_norm_kernel"), (rotary, "_rotary_kernel")):
         setattr(module, name, _NoLaunch())
     b, ctx, heads, kv_heads, d, block_size = 64, 2048, 32, 8, 128, 16
     num_blocks = b * ctx // block_size
@@ -52,9 +54,12 @@ def main() -> None:
     slots, positions = torch.arange(b), torch.arange(b)
     x, res, w = torch.randn(b, 4096), torch.randn(b, 4096), torch.ones(4096)
     rope = torch.randn(ctx, d)
+    plan = StepPlan(positions, slots, tables, seq_lens, qsl, 1, rope, block_size)
+    triton_ops = TritonOps()
     ops = {
-        "paged_attention (decode batch)": lambda: pa.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl,
-                                                                      0.1, 1),
+        "paged_attention (decode batch)": lambda: launcher.paged_attention(q, k_cache, v_cache, tables, seq_lens,
+                                                                            qsl, 0.1, 1),
+        "  the same through TritonOps": lambda: triton_ops.paged_attention(q, k_cache, v_cache, plan, 0.1),
         "write_kv_cache": lambda: cache.write_kv_cache(k, v, k_cache, v_cache, slots),
         "rotary_embedding": lambda: rotary.rotary_embedding(positions, q, k, rope),
         "fused_add_rms_norm": lambda: norm.fused_add_rms_norm(x, res, w, 1e-5),

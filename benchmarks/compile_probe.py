@@ -6,10 +6,8 @@ shared-memory buffers Triton's pipeliner gave the K/V tiles (1: a program waits 
 Usage: PYTHONSAFEPATH=1 python benchmarks/compile_probe.py [--configs 64,2,2 32,2,3,prefetch ...]
 (needs the kvpilot import names: an install, or benchmarks/run_on_gpu.sh's shim folder)
 
-The figures are the compiler's; the timings they explain are in benchmarks/RESULTS.md. Seen at
-0ae93f0: without prefetch every config has one K and one V buffer whatever num_stages is; the
-configs whose programs all fit at once (waves <= 1) ran fastest, those with a second, mostly
-empty wave (waves 1.29) 14-35% slower.
+The figures are the compiler's; the timings they explain, and what the probe showed, are in
+benchmarks/RESULTS.md (Kernels, "Offline").
 """
 
 from __future__ import annotations
@@ -23,7 +21,8 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kvpilot.kernels import paged_attention as pa
+from kvpilot.kernels.paged_attention import pointer_decode
+from kvpilot.kernels.paged_attention.pointer_decode import DecodeConfig
 
 SM90 = GPUTarget("cuda", 90, 32)
 SMS, SMEM_PER_SM, REGS_PER_SM, PROGRAMS = 132, 228 * 1024, 65536, 64 * 8
@@ -32,10 +31,10 @@ POINTERS = {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"
             "qsl_ptr": "*i32"}
 
 
-def compile_decode(cfg: pa.DecodeConfig, multi: bool = False, block_size: int = 16) -> object:
+def compile_decode(cfg: DecodeConfig, multi: bool = False, block_size: int = 16) -> object:
     """The decode kernel as the benchmark launches it: bf16, 32/8 heads, head dim 128, no split;
     pointers and integer arguments marked 16-divisible as Triton's launcher would find them."""
-    kernel = pa._decode_kernel
+    kernel = pointer_decode._decode_kernel
     consts = dict(GROUP=4, M=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
                   SPLIT=False, MULTI=multi, PRECISION="tf32", PREFETCH=cfg.prefetch)
     signature: dict[str, str] = {}
@@ -65,9 +64,9 @@ def resources(compiled: object) -> dict[str, int]:
     return {"regs": int(found.group(1)), "stack": int(found.group(2)), "local": int(found.group(3))}
 
 
-def parse_config(text: str) -> pa.DecodeConfig:
+def parse_config(text: str) -> DecodeConfig:
     parts = text.split(",")
-    return pa.DecodeConfig(int(parts[0]), int(parts[1]), int(parts[2]), prefetch="prefetch" in parts[3:])
+    return DecodeConfig(int(parts[0]), int(parts[1]), int(parts[2]), prefetch="prefetch" in parts[3:])
 
 
 def main() -> None:

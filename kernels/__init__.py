@@ -1,4 +1,5 @@
-"""kvpilot's attention and layer kernels: Triton on CUDA, plain-torch reference twins on CPU.
+"""kvpilot's attention and layer kernels: Triton on CUDA, C and plain-torch twins on CPU.
 
-The model runner calls only `kvpilot.kernels.ops`, which picks the implementation by device.
+The model runner gets its ops from `kvpilot.kernels.ops.select` (an `interface.Ops`), builds one
+`step_plan.StepPlan` per step with `Ops.plan` and passes it to every layer's attention ops.
 """

@@ -32,13 +32,14 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from kvpilot.kernels import reference
+from kvpilot.kernels.reference import ReferenceOps
+from kvpilot.kernels.step_plan import StepPlan
 
-__all__ = ["available", "fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding", "write_kv_cache"]
+__all__ = ["CpuOps", "available"]
 
 log = logging.getLogger(__name__)
 
@@ -107,22 +108,6 @@ def available() -> bool:
     return _library() is not None
 
 
-class _DecodeRows(NamedTuple):
-    seq_ids: torch.Tensor  # int32: the decode sequences (q_len == 1)
-    q_rows: torch.Tensor  # int64: their query rows
-    all_decode: bool
-
-
-def _plan(query_start_loc: torch.Tensor) -> _DecodeRows:
-    starts = query_start_loc.tolist()
-    seqs = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
-    return _DecodeRows(torch.tensor(seqs, dtype=torch.int32), torch.tensor([starts[i] for i in seqs], dtype=torch.int64),
-                       len(seqs) == len(starts) - 1)
-
-
-_decode_rows = reference.StepMemo()
-
-
 def _fp32_rows(*tensors: torch.Tensor) -> bool:
     """float32 CPU tensors with a unit stride in their last dimension (the C kernels' layout)."""
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
@@ -141,81 +126,81 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
-) -> torch.Tensor:
-    """`reference.paged_attention`, with the decode rows computed in C (`max_query_len`, the
-    Triton launcher's hint, is not needed: the row plan reads query_start_loc once per step)."""
-    if not (_fp32_rows(q, k_cache, v_cache) and block_tables.dtype == seq_lens.dtype == torch.int32
-            and block_tables.stride(-1) == 1 and seq_lens.is_contiguous()):
-        return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    _same("k_cache/v_cache shapes", k_cache.shape, v_cache.shape)
-    _same("q head_dim vs cache head_dim", q.shape[2], k_cache.shape[3])
-    _same("seq_lens vs block_tables rows", seq_lens.shape[0], block_tables.shape[0])
-    rows = _decode_rows.get((query_start_loc,), lambda: _plan(query_start_loc))
-    out = torch.empty_like(q)
-    if not rows.all_decode:
-        reference.prefill_attention_into(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    if rows.seq_ids.numel():
-        failed = _lib().kvp_decode_attention(
-            out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            seq_lens.data_ptr(), rows.seq_ids.data_ptr(), rows.q_rows.data_ptr(),
-            rows.seq_ids.numel(), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-            block_tables.stride(0))
-        if failed:
-            raise MemoryError("CPU decode attention could not allocate its score buffer")
-    return out
+class CpuOps(ReferenceOps):
+    """The C kernels where the tensors fit them (float32, unit stride in the last dim), the
+    reference's ops otherwise."""
 
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
+                        scale: float) -> torch.Tensor:
+        """The decode rows in C; the rows of sequences with several new tokens as the reference."""
+        block_tables, seq_lens = plan.block_tables, plan.seq_lens
+        if not (_fp32_rows(q, k_cache, v_cache) and block_tables.dtype == seq_lens.dtype == torch.int32
+                and block_tables.stride(-1) == 1 and seq_lens.is_contiguous()):
+            return super().paged_attention(q, k_cache, v_cache, plan, scale)
+        _same("k_cache/v_cache shapes", k_cache.shape, v_cache.shape)
+        _same("q head_dim vs cache head_dim", q.shape[2], k_cache.shape[3])
+        _same("seq_lens vs block_tables rows", seq_lens.shape[0], block_tables.shape[0])
+        rows = plan.decode_rows
+        out = torch.empty_like(q)
+        if not rows.all_decode:
+            plan.check_block_size(k_cache)
+            reference.prefill_attention_into(out, q, k_cache, v_cache, plan.attention.prefill, scale)
+        if rows.seq_ids.numel():
+            failed = _lib().kvp_decode_attention(
+                out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                seq_lens.data_ptr(), rows.seq_ids.data_ptr(), rows.q_rows.data_ptr(),
+                rows.seq_ids.numel(), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+                block_tables.stride(0))
+            if failed:
+                raise MemoryError("CPU decode attention could not allocate its score buffer")
+        return out
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`reference.rms_norm` in one call."""
-    if x.dim() != 2 or not (_fp32_rows(x) and weight.dtype == torch.float32 and weight.is_contiguous()):
-        return reference.rms_norm(x, weight, eps)
-    _same("weight size vs hidden size", weight.numel(), x.shape[1])
-    out = torch.empty(x.shape, dtype=x.dtype)
-    _lib().kvp_rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps,
-                        out.stride(0), x.stride(0))
-    return out
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() != 2 or not (_fp32_rows(x) and weight.dtype == torch.float32 and weight.is_contiguous()):
+            return reference.rms_norm(x, weight, eps)
+        _same("weight size vs hidden size", weight.numel(), x.shape[1])
+        out = torch.empty(x.shape, dtype=x.dtype)
+        _lib().kvp_rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps,
+                            out.stride(0), x.stride(0))
+        return out
 
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        if x.dim() != 2 or not (_fp32_rows(x, residual) and weight.dtype == torch.float32
+                                and weight.is_contiguous()):
+            reference.fused_add_rms_norm(x, residual, weight, eps)
+            return
+        _same("residual shape vs x shape", residual.shape, x.shape)
+        _same("weight size vs hidden size", weight.numel(), x.shape[1])
+        _lib().kvp_fused_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.shape[0],
+                                      x.shape[1], eps, x.stride(0), residual.stride(0))
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """`reference.fused_add_rms_norm` in one call."""
-    if x.dim() != 2 or not (_fp32_rows(x, residual) and weight.dtype == torch.float32 and weight.is_contiguous()):
-        reference.fused_add_rms_norm(x, residual, weight, eps)
-        return
-    _same("residual shape vs x shape", residual.shape, x.shape)
-    _same("weight size vs hidden size", weight.numel(), x.shape[1])
-    _lib().kvp_fused_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1],
-                                  eps, x.stride(0), residual.stride(0))
+    def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, plan: StepPlan) -> None:
+        """Bit-identical to the reference's."""
+        positions, cos_sin_cache = plan.positions, plan.cos_sin_cache
+        if not (_fp32_rows(q, k, cos_sin_cache) and positions.dtype == torch.int64 and positions.is_contiguous()):
+            super().rotary_embedding(q, k, plan)
+            return
+        _same("positions vs q tokens", positions.numel(), q.shape[0])
+        _same("k tokens vs q tokens", k.shape[0], q.shape[0])
+        _same("k head_dim vs q head_dim", k.shape[2], q.shape[2])
+        _same("cos_sin_cache width vs head_dim", cos_sin_cache.shape[1], q.shape[2])
+        _lib().kvp_rotary(positions.data_ptr(), q.data_ptr(), k.data_ptr(), cos_sin_cache.data_ptr(), q.shape[0],
+                          q.shape[1], k.shape[1], q.shape[2], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                          cos_sin_cache.stride(0))
 
-
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
-    """`reference.rotary_embedding` in one call (bit-identical)."""
-    if not (_fp32_rows(q, k, cos_sin_cache) and positions.dtype == torch.int64 and positions.is_contiguous()):
-        reference.rotary_embedding(positions, q, k, cos_sin_cache)
-        return
-    _same("positions vs q tokens", positions.numel(), q.shape[0])
-    _same("k tokens vs q tokens", k.shape[0], q.shape[0])
-    _same("k head_dim vs q head_dim", k.shape[2], q.shape[2])
-    _same("cos_sin_cache width vs head_dim", cos_sin_cache.shape[1], q.shape[2])
-    _lib().kvp_rotary(positions.data_ptr(), q.data_ptr(), k.data_ptr(), cos_sin_cache.data_ptr(), q.shape[0],
-                      q.shape[1], k.shape[1], q.shape[2], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                      cos_sin_cache.stride(0))
-
-
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """`reference.write_kv_cache` in one call."""
-    if not (_fp32_rows(k, v, k_cache, v_cache) and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
-        reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-        return
-    _same("k/v shapes", k.shape, v.shape)
-    _same("k_cache/v_cache shapes", k_cache.shape, v_cache.shape)
-    _same("k (heads, head_dim) vs cache", k.shape[1:], k_cache.shape[2:])
-    _same("slot_mapping vs k tokens", slot_mapping.numel(), k.shape[0])
-    _lib().kvp_write_kv_cache(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                              slot_mapping.data_ptr(), k.shape[0], k.shape[1], k.shape[2], k_cache.shape[1],
-                              k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3],
-                              *v_cache.stride()[:3])
+    def write_kv_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       plan: StepPlan) -> None:
+        slot_mapping = plan.slot_mapping
+        if not (_fp32_rows(k, v, k_cache, v_cache) and slot_mapping.dtype == torch.int64
+                and slot_mapping.is_contiguous()):
+            super().write_kv_cache(k, v, k_cache, v_cache, plan)
+            return
+        _same("k/v shapes", k.shape, v.shape)
+        _same("k_cache/v_cache shapes", k_cache.shape, v_cache.shape)
+        _same("k (heads, head_dim) vs cache", k.shape[1:], k_cache.shape[2:])
+        _same("slot_mapping vs k tokens", slot_mapping.numel(), k.shape[0])
+        _lib().kvp_write_kv_cache(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                  slot_mapping.data_ptr(), k.shape[0], k.shape[1], k.shape[2], k_cache.shape[1],
+                                  k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3],
+                                  *v_cache.stride()[:3])

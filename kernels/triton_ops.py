@@ -1,9 +1,42 @@
-"""The Triton implementation of the ops in `ops.py` (same signatures and layouts as
-`reference.py`); each kernel lives in its own module."""
+"""The Triton implementation of the ops (same layouts as `reference.py`); each kernel lives in
+its own module, and this class calls their checked launchers with the step plan's tensors."""
 
-from kvpilot.kernels.cache import write_kv_cache
-from kvpilot.kernels.norm import fused_add_rms_norm, rms_norm
-from kvpilot.kernels.paged_attention import paged_attention
-from kvpilot.kernels.rotary import rotary_embedding
+from __future__ import annotations
 
-__all__ = ["fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding", "write_kv_cache"]
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.kernels import cache, norm, rotary
+from kvpilot.kernels.interface import Ops
+from kvpilot.kernels.paged_attention import launcher
+from kvpilot.kernels.step_plan import StepPlan
+
+
+@dataclass(frozen=True)
+class TritonOps(Ops):
+    """prefer_tma: paged attention takes the TMA decode kernel wherever it can read the caches
+    (`paged_attention/tma_decode.py`); graphs_prefer_tma: the same for the ops recorded into CUDA
+    graphs (`for_graphs`). `ops.select` sets both from KVPILOT_DECODE_TMA."""
+
+    prefer_tma: bool = False
+    graphs_prefer_tma: bool = True
+
+    def for_graphs(self) -> TritonOps:
+        return TritonOps(prefer_tma=self.graphs_prefer_tma, graphs_prefer_tma=self.graphs_prefer_tma)
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
+                        scale: float) -> torch.Tensor:
+        return launcher.paged_attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens,
+                                        plan.query_start_loc, scale, plan.max_query_len,
+                                        prefer_tma=self.prefer_tma)
+
+    def write_kv_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       plan: StepPlan) -> None:
+        cache.write_kv_cache(k, v, k_cache, v_cache, plan.slot_mapping)
+
+    def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, plan: StepPlan) -> None:
+        rotary.rotary_embedding(plan.positions, q, k, plan.cos_sin_cache)
+
+    rms_norm = staticmethod(norm.rms_norm)
+    fused_add_rms_norm = staticmethod(norm.fused_add_rms_norm)

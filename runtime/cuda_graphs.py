@@ -9,9 +9,9 @@ that `run` fills each step. Rows past n are padding: token 0 at position 0, a ca
 (the cache write skips it) and a context of one token (it reads some block's first slot; its
 output row is never used), so padding never touches a real sequence's cache.
 
-The graphs record the ops of `kernels.ops.for_graphs`: on Hopper GPUs paged attention there takes
-the TMA decode kernel, whose launch costs more host time than the device time it saves, which a
-replay does not pay (kernels/paged_attention.py).
+The graphs record the ops' `for_graphs()`: on Hopper GPUs paged attention there takes the TMA
+decode kernel, whose launch costs more host time than the device time it saves, which a replay
+does not pay (kernels/paged_attention/tma_decode.py).
 
 Graphs are captured when the runner starts (after the KV cache is allocated, largest first, into
 one shared memory pool) and again after a live block-size change, which replaces the cache
@@ -29,11 +29,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvpilot.kernels.ops import Ops
 from kvpilot.runtime.models.llama import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -138,7 +138,9 @@ class DecodeGraphs:
 
 
 def model_forward(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                  rope: torch.Tensor, ops: ModuleType) -> Forward:
+                  rope: torch.Tensor, ops: Ops) -> Forward:
+    block_size = kv_caches[0][0].shape[1]  # (num_blocks, block_size, num_kv_heads, head_dim)
+
     def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return model(input_ids, positions, kv_caches, meta, rope, ops)
+        return model(input_ids, kv_caches, ops.plan(meta, positions, rope, block_size), ops)
     return forward

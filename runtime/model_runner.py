@@ -76,7 +76,7 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.device.enforce_eager or self.tp.size > 1:
             return
         max_blocks = -(-self.config.model.max_model_len // self.block_size)
-        forward = model_forward(self.model, self.kv_caches, self.rope, kernel_ops.for_graphs(self.ops))
+        forward = model_forward(self.model, self.kv_caches, self.rope, self.ops.for_graphs())
         graphs = DecodeGraphs(forward, self.config.scheduler.max_num_seqs, max_blocks, self.device)
         with torch.inference_mode():
             graphs.capture_all()
@@ -208,7 +208,8 @@ class ModelRunner:
             )
             input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
             positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.rope, self.ops)
+            plan = self.ops.plan(meta, positions, self.rope, self.block_size)
+            hidden = self.model(input_ids, self.kv_caches, plan, self.ops)
         if not inputs.logits_rows:
             return None
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev)

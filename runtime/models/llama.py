@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.kernels.ops import Ops, StepPlan
 from kvpilot.runtime.models import architecture_of
 from kvpilot.runtime.parallel import TPInfo
 
@@ -134,8 +134,8 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)  # row-parallel
         self.scale = cfg.head_dim ** -0.5
 
-    def attention(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                  meta: AttentionMetadata, rope: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+    def attention(self, h: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], plan: StepPlan,
+                  ops: Ops) -> torch.Tensor:
         num_tokens, head_dim = h.shape[0], self.cfg.head_dim
         q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         qkv = self.qkv_proj(h)  # (T, q + 2kv)
@@ -143,11 +143,10 @@ class DecoderLayer(nn.Module):
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, head_dim)
         k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, head_dim)
         v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, head_dim)
-        ops.rotary_embedding(positions, q, k, rope)
+        ops.rotary_embedding(q, k, plan)
         k_cache, v_cache = kv_cache
-        ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                  meta.query_start_loc, self.scale, meta.max_query_len)  # (T, H, D)
+        ops.write_kv_cache(k, v, k_cache, v_cache, plan)
+        out = ops.paged_attention(q, k_cache, v_cache, plan, self.scale)  # (T, H, D)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, q_size)))
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
@@ -177,17 +176,17 @@ class LlamaForCausalLM(nn.Module):
         h.masked_fill_(outside[:, None], 0.0)
         return self.tp.all_reduce(h)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                rope: torch.Tensor, ops: ModuleType) -> torch.Tensor:
-        """input_ids, positions (T,) -> final-normed hidden states (T, hidden)."""
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                plan: StepPlan, ops: Ops) -> torch.Tensor:
+        """input_ids (T,) -> final-normed hidden states (T, hidden); the plan holds the tokens'
+        positions and the step's attention metadata (`Ops.plan`)."""
         eps = self.cfg.rms_norm_eps
         residual = self.embed(input_ids)  # (T, hidden)
         h = ops.rms_norm(residual, self.layers[0].input_layernorm, eps)
         for i, layer in enumerate(cast(list[DecoderLayer], self.layers)):
             if i > 0:
                 ops.fused_add_rms_norm(h, residual, layer.input_layernorm, eps)
-            h = layer.attention(h, positions, kv_caches[i], meta, rope, ops)
+            h = layer.attention(h, kv_caches[i], plan, ops)
             ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm, eps)
             h = layer.mlp(h)
         ops.fused_add_rms_norm(h, residual, self.norm, eps)

@@ -13,7 +13,8 @@ import pytest
 import torch
 from tiny_models import hf_greedy, make_tiny_model
 
-from kvpilot.kernels import paged_attention as pa
+from kvpilot.kernels.paged_attention import tma_decode
+from kvpilot.kernels.triton_ops import TritonOps
 from kvpilot.runtime import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -44,14 +45,14 @@ def test_float32_on_cuda_matches_hf(kind: str, block_size: int, models, monkeypa
     # the decode graphs record the TMA kernel where it can read the caches (Hopper, block 16/32);
     # its launcher is wrapped, not replaced, to see that it was recorded
     tma_launches: list[int] = []
-    real = pa._decode_tma
-    monkeypatch.setattr(pa, "_decode_tma", lambda *args: tma_launches.append(1) or real(*args))
+    real = tma_decode.launch
+    monkeypatch.setattr(tma_decode, "launch", lambda *args: tma_launches.append(1) or real(*args))
     monkeypatch.delenv("KVPILOT_DECODE_TMA", raising=False)
     llm = LLM(folder, device="cuda", dtype="float32", max_model_len=256, block_size=block_size,
               enable_chunked_prefill=True, max_num_batched_tokens=48, max_num_seqs=4,
               gpu_memory_utilization=0.2)
     runner = llm.engine.runner
-    assert runner.ops.__name__.endswith("triton_ops")
+    assert isinstance(runner.ops, TritonOps)
     assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4]
     batch = prompts(block_size, [1, 9, 70, 150, 33])
     # different lengths: the decode batch shrinks 4 -> 3 (a padded graph) -> 2 -> 1 as requests end
@@ -61,7 +62,7 @@ def test_float32_on_cuda_matches_hf(kind: str, block_size: int, models, monkeypa
     for prompt, out, n in zip(batch, outs, lengths, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, n)
     assert runner.graphs.replays > 0
-    tma_readable = block_size in pa.TMA_BLOCK_SIZES and torch.cuda.get_device_capability()[0] >= 9
+    tma_readable = block_size in tma_decode.BLOCK_SIZES and torch.cuda.get_device_capability()[0] >= 9
     assert bool(tma_launches) == tma_readable
     assert_all_blocks_free(llm)
 

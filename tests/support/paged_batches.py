@@ -1,9 +1,12 @@
-"""Random paged-attention batches and an independent float64 dense attention, shared by the
-kernel tests (Triton and the CPU kernels)."""
+"""Random paged-attention batches, an independent float64 dense attention and the comparisons
+the kernel tests share (Triton and the CPU kernels)."""
 
 from __future__ import annotations
 
 import torch
+
+from kvpilot.kernels.reference import kv_cache_empty
+from kvpilot.kernels.step_plan import StepPlan
 
 # (context length, new tokens) per sequence
 DECODE = [(37, 1), (5, 1), (64, 1), (1, 1)]
@@ -58,3 +61,57 @@ def dense_float64(batch: Batch, scale: float) -> torch.Tensor:
             s = torch.einsum("hd,nhd->hn", q[row].double(), k[:pos + 1]) * scale
             out[row] = torch.einsum("hn,nhd->hd", s.softmax(-1), v[:pos + 1])
     return out
+
+
+def step_plan(batch: Batch, max_query_len: int | None = None) -> StepPlan:
+    """The plan of a step holding only `batch`'s attention (no cache writes, positions 0)."""
+    q, k_cache, _, tables, seq_lens, qsl = batch
+    num_tokens = q.shape[0]
+    return StepPlan(
+        positions=torch.zeros(num_tokens, dtype=torch.long, device=q.device),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=q.device),
+        block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
+        max_query_len=int(qsl.diff().max()) if max_query_len is None else max_query_len,
+        cos_sin_cache=torch.zeros(1, q.shape[2], device=q.device), block_size=k_cache.shape[1],
+    )
+
+
+def head_major_copy(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache stored head-major (each (block, KV head) one contiguous run), as the GPU
+    engine allocates it."""
+    hm = kv_cache_empty(*cache.shape, head_major=True, dtype=cache.dtype, device=cache.device)
+    hm.copy_(cache)
+    assert hm.stride(1) == cache.shape[3] and not hm.is_contiguous()
+    return hm
+
+
+def head_major_batch(batch: Batch) -> Batch:
+    q, k_cache, v_cache, *rest = batch
+    return (q, head_major_copy(k_cache), head_major_copy(v_cache), *rest)  # type: ignore[return-value]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "output holds NaN (an element was not written or read garbage)"
+    return ((out.double() - ref.double().to(out.device)).norm() / ref.double().norm()).item()
+
+
+def tolerance(dtype: torch.dtype, device: torch.device) -> float:
+    if dtype == torch.float32:
+        return 1e-5 if device.type == "cpu" else 2e-3  # tf32 dots on the GPU
+    return 3e-3 if dtype == torch.float16 else 1.5e-2
+
+
+def max_query_len(batch: Batch) -> int:
+    return int(batch[5].diff().max())
+
+
+def run_triton(batch: Batch, scale: float, hint: bool = False, **kwargs: object) -> torch.Tensor:
+    """The Triton kernels into a NaN-poisoned output; hint passes max_query_len as the engine
+    does (without it an all-decode batch runs the decode kernel that loops over any q_len)."""
+    # imported here: it imports triton, which only the kernel tests need
+    from kvpilot.kernels.paged_attention import paged_attention_with
+
+    poisoned = torch.full_like(batch[0], float("nan"))
+    if hint:
+        kwargs["max_query_len"] = max_query_len(batch)
+    return paged_attention_with(*batch, scale, out=poisoned, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,50 @@
+"""The op interface the model calls, whatever implementation `ops.select` picked.
+
+Per step the runner calls `plan` once and passes the plan to every layer's attention ops; the
+norms need none. Layouts are those of `reference.py` and `step_plan.py`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvpilot.kernels.step_plan import AttentionInputs, StepPlan
+
+
+class Ops(ABC):
+    def plan(self, meta: AttentionInputs, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+             block_size: int) -> StepPlan:
+        """The plan of one step: its metadata, token positions, the model's rotary table and the
+        caches' block size."""
+        return StepPlan(positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                        meta.max_query_len, cos_sin_cache, block_size)
+
+    def for_graphs(self) -> Ops:
+        """The ops to record into a CUDA graph in place of these (the same, unless an
+        implementation picks other kernels for launches that a graph replays)."""
+        return self
+
+    @abstractmethod
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
+                        scale: float) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens q (T, H, D) over its cached context."""
+
+    @abstractmethod
+    def write_kv_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       plan: StepPlan) -> None:
+        """Scatter the new tokens' keys and values (T, Hk, D) into their cache slots, in place."""
+
+    @abstractmethod
+    def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, plan: StepPlan) -> None:
+        """Rotate q (T, H, D) and k (T, Hk, D) in place by their tokens' positions."""
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x (T, hidden) -> normalised copy, computed in float32."""
+
+    @abstractmethod
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> None:
+        """In place: residual += x, then x = rms_norm(residual) * weight."""
