@@ -44,7 +44,7 @@ from kvpilot.operator.autoscale import (
 )
 from kvpilot.operator.autotune import EngineSettings, Histogram, WindowSummary
 
-# The runtime's TTFT buckets (runtime/metrics.py), so a P99 read from the simulated histograms
+# The runtime's TTFT buckets (runtime/server/metrics.py), so a P99 read from the simulated histograms
 # has the resolution it has in a cluster.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)

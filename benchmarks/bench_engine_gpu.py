@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.runtime import LLM, SamplingParams
-from kvpilot.runtime.model_runner import ModelRunner, StepInputs
+from kvpilot.runtime.executor.model_runner import ModelRunner, StepInputs
 
 PROMPT_LEN, NEW_TOKENS = 512, 128
 

@@ -12,6 +12,7 @@ COPY pyproject.toml README.md ./
 COPY runtime ./runtime
 COPY kernels ./kernels
 COPY operator ./operator
+COPY bench ./bench
 RUN /opt/kvpilot/bin/pip install ".[operator]" \
  && /opt/kvpilot/bin/pip uninstall --yes pip
 

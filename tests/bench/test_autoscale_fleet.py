@@ -47,7 +47,7 @@ def test_the_self_check_fails_on_a_replica_model_that_ignores_the_tail(monkeypat
 
 
 def test_the_histogram_buckets_are_the_runtimes() -> None:
-    tree = ast.parse((ROOT / "runtime" / "metrics.py").read_text())
+    tree = ast.parse((ROOT / "runtime" / "server" / "metrics.py").read_text())
     runtime = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
                    and any(getattr(t, "id", None) == "_LATENCY_BUCKETS" for t in node.targets))
     assert TTFT_BUCKETS == runtime

@@ -20,7 +20,7 @@ def free_port() -> int:
 @dataclass
 class RunningServer:
     base_url: str
-    server: Any  # kvpilot.runtime.server.DrainingServer
+    server: Any  # kvpilot.runtime.server.app.DrainingServer
     thread: threading.Thread
 
     @property
@@ -44,8 +44,8 @@ class RunningServer:
 
 def start_server(engine_args: dict[str, Any], **server_config: Any) -> RunningServer:
     from kvpilot.runtime.args import EngineArgs
-    from kvpilot.runtime.engine import LLMEngine
-    from kvpilot.runtime.server import ServerConfig, make_server
+    from kvpilot.runtime.engine.engine import LLMEngine
+    from kvpilot.runtime.server.app import ServerConfig, make_server
 
     args = EngineArgs(**engine_args)
     engine = LLMEngine(args.create_engine_config())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.runtime import LLM
-from kvpilot.runtime.cuda_graphs import capture_sizes
+from kvpilot.runtime.executor.cuda_graphs import capture_sizes
 
 
 @pytest.mark.parametrize("max_num_seqs,expected", [
@@ -36,7 +36,7 @@ def test_staging_pads_with_rows_that_write_nowhere() -> None:
     not keep the larger batch's cache slots (a replay would write the padding's K/V there)."""
     import torch
 
-    from kvpilot.runtime.cuda_graphs import DecodeGraphs
+    from kvpilot.runtime.executor.cuda_graphs import DecodeGraphs
 
     graphs = DecodeGraphs(lambda *_: torch.zeros(0), max_num_seqs=20, max_blocks_per_seq=4,
                           device=torch.device("cpu"))

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.http_errors import check_token
-from kvpilot.runtime.protocol import APIError
+from kvpilot.runtime.engine.engine import LLMEngine
+from kvpilot.runtime.server.errors import check_token
+from kvpilot.runtime.server.protocol import APIError
 
 if TYPE_CHECKING:
-    from kvpilot.runtime.server import ServerState
+    from kvpilot.runtime.server.app import ServerState
 
 
 def add_admin_routes(app: FastAPI, state: ServerState) -> None:

@@ -11,8 +11,8 @@ import torch
 
 from kvpilot.runtime.config import ModelConfig
 from kvpilot.runtime.model_source import load_preset
-from kvpilot.runtime.models.llama import LlamaConfig, LlamaForCausalLM
-from kvpilot.runtime.parallel import TPInfo
+from kvpilot.runtime.executor.models.llama import LlamaConfig, LlamaForCausalLM
+from kvpilot.runtime.executor.parallel import TPInfo
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.engine.sequence import Sequence
 
 
 class Tokenizer:

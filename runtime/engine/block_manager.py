@@ -20,7 +20,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.engine.sequence import Sequence
 
 
 def block_digest(parent: bytes, tokens: list[int]) -> bytes:

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpilot.runtime.protocol import APIError
+from kvpilot.runtime.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.kernels.ops import Ops, StepPlan
-from kvpilot.runtime.models import architecture_of
-from kvpilot.runtime.parallel import TPInfo
+from kvpilot.runtime.executor.models import architecture_of
+from kvpilot.runtime.executor.parallel import TPInfo
 
 
 @dataclass(frozen=True)

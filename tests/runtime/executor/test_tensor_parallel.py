@@ -11,8 +11,8 @@ import torch
 
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.config import ModelConfig
-from kvpilot.runtime.loader import load_model, safetensors_weights
-from kvpilot.runtime.parallel import TPInfo
+from kvpilot.runtime.executor.loader import load_model, safetensors_weights
+from kvpilot.runtime.executor.parallel import TPInfo
 
 
 def prompts(seed: int) -> list[dict[str, list[int]]]:

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.runtime.engine import LLMEngine, StepStats
+from kvpilot.runtime.engine.engine import LLMEngine, StepStats
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 
@@ -168,7 +168,7 @@ class AsyncEngine:
         is released before `build` runs, so two never hold device memory at once; if `build`
         fails, the old configuration is loaded again and the error is raised."""
         def swap(old: LLMEngine) -> None:
-            from kvpilot.runtime.engine import LLMEngine
+            from kvpilot.runtime.engine.engine import LLMEngine
 
             old_config = old.config
             self.engine = None  # type: ignore[assignment]

@@ -31,9 +31,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvpilot.runtime.block_manager import BlockManager
+from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.config import SchedulerConfig
-from kvpilot.runtime.sequence import Sequence, SequenceStatus
+from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

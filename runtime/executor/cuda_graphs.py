@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpilot.kernels.ops import Ops
-from kvpilot.runtime.models.llama import AttentionMetadata
+from kvpilot.runtime.executor.models.llama import AttentionMetadata
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE

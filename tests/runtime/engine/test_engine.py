@@ -9,7 +9,7 @@ import pytest
 from tiny_models import hf_greedy
 
 from kvpilot.runtime import LLM, SamplingParams
-from kvpilot.runtime.engine import RequestError
+from kvpilot.runtime.engine.engine import RequestError
 
 
 def all_blocks_free(llm: LLM) -> bool:

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from kvpilot.runtime.block_manager import BlockManager
+from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.config import SchedulerConfig
 from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.scheduler import Scheduler, SchedulerOutput
-from kvpilot.runtime.sequence import Request, Sequence
+from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
+from kvpilot.runtime.engine.sequence import Request, Sequence
 
 
 def make_seq(num_prompt: int, rid: str = "r") -> Sequence:
@@ -35,7 +35,7 @@ def make(num_blocks: int = 64, block_size: int = 16, **kw) -> Scheduler:
 
 def test_modules_import_without_torch() -> None:
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import kvpilot.runtime.scheduler, kvpilot.runtime.block_manager, kvpilot.runtime.args\n")
+            "import kvpilot.runtime.engine.scheduler, kvpilot.runtime.engine.block_manager, kvpilot.runtime.args\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -11,8 +11,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvpilot.runtime.async_engine import EngineSnapshot
-from kvpilot.runtime.engine import LLMEngine, StepStats
+from kvpilot.runtime.engine.async_engine import EngineSnapshot
+from kvpilot.runtime.engine.engine import LLMEngine, StepStats
 from kvpilot.runtime.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)

@@ -130,7 +130,7 @@ def test_generate_cli_prints_the_answer_and_rejects_bad_flags(tmp_path: Path) ->
 
 
 def test_auto_dtype_is_bf16_on_every_cuda_device_and_fp32_on_cpu() -> None:
-    from kvpilot.runtime.loader import resolve_dtype
+    from kvpilot.runtime.executor.loader import resolve_dtype
 
     assert resolve_dtype("auto", "cuda") is torch.bfloat16
     assert resolve_dtype("auto", "cuda:1") is torch.bfloat16  # the runner passes indexed devices

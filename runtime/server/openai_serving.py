@@ -19,12 +19,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvpilot.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
-from kvpilot.runtime.engine import RequestError
+from kvpilot.runtime.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from kvpilot.runtime.engine.engine import RequestError
 from kvpilot.runtime.outputs import CompletionOutput, RequestOutput, SampleLogprobs
-from kvpilot.runtime.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvpilot.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.engine.tokenizer import Tokenizer
 
 # choices of one chunk/response, built from one completion and the number of tokens already sent
 ChoiceBuilder = Callable[[CompletionOutput, int, int], dict[str, Any]]

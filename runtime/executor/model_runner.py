@@ -22,13 +22,13 @@ import torch
 from kvpilot.kernels import ops as kernel_ops
 from kvpilot.kernels.reference import kv_cache_empty
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.cpu_linear import pack_linears
-from kvpilot.runtime.cuda_graphs import DecodeGraphs, model_forward
-from kvpilot.runtime.loader import load_model, resolve_dtype
-from kvpilot.runtime.models.llama import AttentionMetadata, cos_sin_cache
-from kvpilot.runtime.parallel import TPInfo
-from kvpilot.runtime.sampler import SampleResult, SamplingRow, sample
-from kvpilot.runtime.scheduler import ScheduledSeq
+from kvpilot.runtime.executor.cpu_linear import pack_linears
+from kvpilot.runtime.executor.cuda_graphs import DecodeGraphs, model_forward
+from kvpilot.runtime.executor.loader import load_model, resolve_dtype
+from kvpilot.runtime.executor.models.llama import AttentionMetadata, cos_sin_cache
+from kvpilot.runtime.executor.parallel import TPInfo
+from kvpilot.runtime.executor.sampler import SampleResult, SamplingRow, sample
+from kvpilot.runtime.engine.scheduler import ScheduledSeq
 
 logger = logging.getLogger(__name__)
 

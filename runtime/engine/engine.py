@@ -15,16 +15,16 @@ from multiprocessing.process import BaseProcess
 
 import torch
 
-from kvpilot.runtime.block_manager import BlockManager
+from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.model_runner import ModelRunner
+from kvpilot.runtime.executor.model_runner import ModelRunner
 from kvpilot.runtime.outputs import CompletionOutput, Logprob, RequestOutput
-from kvpilot.runtime.parallel import destroy_group, start_tensor_parallel
-from kvpilot.runtime.sampler import SampleResult, SamplingRow
+from kvpilot.runtime.executor.parallel import destroy_group, start_tensor_parallel
+from kvpilot.runtime.executor.sampler import SampleResult, SamplingRow
 from kvpilot.runtime.sampling_params import SamplingParams
-from kvpilot.runtime.scheduler import Scheduler, SchedulerOutput
-from kvpilot.runtime.sequence import Request, Sequence
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
+from kvpilot.runtime.engine.sequence import Request, Sequence
+from kvpilot.runtime.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

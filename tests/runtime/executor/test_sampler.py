@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpilot.runtime.sampler import SamplingRow, sample
+from kvpilot.runtime.executor.sampler import SamplingRow, sample
 from kvpilot.runtime.sampling_params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))

@@ -99,7 +99,7 @@ def destroy_group() -> None:
 
 def worker_main(config: Any, rank: int, size: int, port: int) -> None:
     """Entry point of ranks 1..N-1: build this rank's runner, then follow rank 0's commands."""
-    from kvpilot.runtime.model_runner import ModelRunner
+    from kvpilot.runtime.executor.model_runner import ModelRunner
 
     tp = init_group(rank, size, port, config.device.device)
     runner = ModelRunner(config, tp)

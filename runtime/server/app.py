@@ -26,14 +26,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvpilot.runtime.admin import add_admin_routes
+from kvpilot.runtime.server.admin import add_admin_routes
 from kvpilot.runtime.args import EngineArgs
-from kvpilot.runtime.async_engine import AsyncEngine
-from kvpilot.runtime.engine import LLMEngine
-from kvpilot.runtime.http_errors import add_error_handlers, check_token
-from kvpilot.runtime.metrics import ServerMetrics
-from kvpilot.runtime.openai_serving import OpenAIServing
-from kvpilot.runtime.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvpilot.runtime.engine.async_engine import AsyncEngine
+from kvpilot.runtime.engine.engine import LLMEngine
+from kvpilot.runtime.server.errors import add_error_handlers, check_token
+from kvpilot.runtime.server.metrics import ServerMetrics
+from kvpilot.runtime.server.openai_serving import OpenAIServing
+from kvpilot.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
 

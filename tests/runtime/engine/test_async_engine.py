@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvpilot.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from kvpilot.runtime.engine import RequestError
+from kvpilot.runtime.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from kvpilot.runtime.engine.engine import RequestError
 from kvpilot.runtime.outputs import CompletionOutput, RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 

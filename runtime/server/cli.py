@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvpilot.runtime.args import EngineArgs
     from kvpilot.runtime.model_source import ModelSourceError
-    from kvpilot.runtime.server import ServerConfig
+    from kvpilot.runtime.server.app import ServerConfig
 
     try:
         server_config = ServerConfig(
@@ -49,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpilot serve: error: {_as_flag(str(e))}", file=sys.stderr)
         return 2
 
-    from kvpilot.runtime.engine import LLMEngine
-    from kvpilot.runtime.server import make_server
+    from kvpilot.runtime.engine.engine import LLMEngine
+    from kvpilot.runtime.server.app import make_server
 
     server = make_server(LLMEngine(engine_config), server_config, log_level=args.log_level, engine_args=engine_args)
     server.run()

@@ -1,0 +1,1 @@
+"""Everything that touches tensors: model runner, CUDA graphs, loader, models, sampler, tensor-parallel workers."""
