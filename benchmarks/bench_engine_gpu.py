@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from kvpilot.runtime import LLM, SamplingParams
-from kvpilot.runtime.executor.model_runner import ModelRunner, StepInputs
+from kvpilot.runtime.executor.inputs import StepInputs
+from kvpilot.runtime.executor.model_runner import ModelRunner
 
 PROMPT_LEN, NEW_TOKENS = 512, 128
 

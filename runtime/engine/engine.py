@@ -8,22 +8,24 @@ detokenizes, applies stop conditions and frees what finished.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
-
-import torch
+from typing import Concatenate, ParamSpec, TypeVar
 
 from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.executor.model_runner import ModelRunner
 from kvpilot.runtime.outputs import CompletionOutput, Logprob, RequestOutput
-from kvpilot.runtime.executor.parallel import destroy_group, start_tensor_parallel
-from kvpilot.runtime.executor.sampler import SampleResult, SamplingRow
+from kvpilot.runtime.executor.worker import Workers
+from kvpilot.runtime.executor.sampler import SampleResult
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.runtime.engine.sequence import Request, Sequence
+from kvpilot.runtime.engine.step_inputs import build_step_inputs
 from kvpilot.runtime.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -54,33 +56,64 @@ class StepStats:
     swap_in_bytes: int = 0
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _fails_with_workers(method: Callable[Concatenate[LLMEngine, P], R]) -> Callable[Concatenate[LLMEngine, P], R]:
+    """An engine method that drives the tensor-parallel workers: once one has died it raises
+    `WorkerDiedError` (an `EngineDeadError`) with the worker's error, now and on every later call."""
+    @functools.wraps(method)
+    def guarded(self: LLMEngine, *args: P.args, **kwargs: P.kwargs) -> R:
+        workers = self._workers
+        if workers is None:
+            return method(self, *args, **kwargs)
+        if workers.error is not None:
+            raise workers.error
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as error:
+            failure = workers.confirm(error)
+            if failure is error:
+                raise
+            raise failure from error
+    return guarded
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._workers: list[BaseProcess] = []
+        self._workers: Workers | None = None
         tp = None
         if config.device.tensor_parallel_size > 1:
-            self._workers, tp = start_tensor_parallel(config)
-        self.runner = ModelRunner(config, tp)
+            self._workers, tp = Workers.start(config)
+        try:
+            self.runner = ModelRunner(config, tp)
+        except BaseException as error:
+            if self._workers is None:
+                raise
+            failure = self._workers.confirm(error)
+            self._workers.shutdown()
+            if failure is error:
+                raise
+            raise failure from error
         self.tokenizer = Tokenizer(config.model.tokenizer) if config.model.tokenizer else None
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.runner.num_swap_blocks)
         self.requests: dict[str, Request] = {}
-        self._generators: dict[int, torch.Generator] = {}
+        self._seq_ids = itertools.count()  # this engine's own: ids key per-sequence state in the runner
+        self._finished_seq_ids: list[int] = []  # for the runner to forget, with the next step
         self.last_step: StepStats | None = None
-        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else set()
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.runner.num_blocks,
                     config.cache.block_size, self.runner.num_blocks * self.runner.bytes_per_block / (1 << 30))
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any. The engine is unusable afterwards."""
-        if self._workers:
-            self.runner.stop_workers()
-            for proc in self._workers:
-                proc.join(timeout=30)
-            self._workers = []
-            destroy_group()
+        if self._workers is not None:
+            self._workers.shutdown(stop=self.runner.stop_workers)
+            self._workers = None
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -97,12 +130,9 @@ class LLMEngine:
             text, token_ids = None, list(prompt)
         self._validate_prompt(token_ids)
         request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
-                          arrival_time=time.time() if arrival_time is None else arrival_time, priority=priority)
+                          arrival_time=time.time() if arrival_time is None else arrival_time, priority=priority,
+                          seq_ids=self._seq_ids)
         for seq in request.seqs:
-            if params.seed is not None:
-                gen = torch.Generator(device=self.runner.device)
-                gen.manual_seed(params.seed + seq.index)
-                self._generators[seq.seq_id] = gen
             self.scheduler.add(seq)
         self.requests[request_id] = request
         return request
@@ -129,7 +159,7 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
-            self._generators.pop(seq.seq_id, None)
+            self._finished_seq_ids.append(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -146,6 +176,7 @@ class LLMEngine:
                 "scheduler_policy": c.scheduler.policy, "max_num_seqs": c.scheduler.max_num_seqs,
                 "max_num_batched_tokens": c.scheduler.max_num_batched_tokens}
 
+    @_fails_with_workers
     def update_config(self, changes: dict[str, object]) -> dict[str, object]:
         """Apply live tunables between steps without dropping a request; returns what changed
         as {name: {"old": ..., "new": ...}}. Call only from the thread that runs `step`.
@@ -180,6 +211,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
 
+    @_fails_with_workers
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -189,9 +221,13 @@ class LLMEngine:
             self.last_step = None
             return []
         outputs: list[RequestOutput] = []
-        rows = [self._sampling_row(s.seq) for s in sched.scheduled if s.samples]
+        num_sampled = 0
         if not sched.is_empty:
-            result = self.runner.execute(sched.scheduled, rows)
+            inputs = build_step_inputs(sched.scheduled, self.block_manager.block_size, self.eos_token_ids,
+                                       self._finished_seq_ids)
+            self._finished_seq_ids = []
+            result = self.runner.execute(inputs)
+            num_sampled = len(inputs.sampling_rows)
             outputs = self._postprocess(sched, result)
         first_tokens = [s.seq for s in sched.scheduled if s.samples and s.seq.num_output_tokens == 1]
         block_bytes = self.runner.bytes_per_block
@@ -199,17 +235,13 @@ class LLMEngine:
             duration_s=time.perf_counter() - start,
             num_batched_tokens=sched.num_batched_tokens,
             num_prompt_tokens=sum(seq.num_prompt_tokens for seq in first_tokens),
-            num_generation_tokens=len(rows),
+            num_generation_tokens=num_sampled,
             num_preemptions=len(sched.preempted),
             num_swapped_out=sched.num_swapped_out,
             swap_out_bytes=len(sched.swap_out) * block_bytes,
             swap_in_bytes=len(sched.swap_in) * block_bytes,
         )
         return outputs
-
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        return SamplingRow(params=seq.params, token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-                           generator=self._generators.get(seq.seq_id), eos_token_ids=self.eos_token_ids)
 
     def _postprocess(self, sched: SchedulerOutput, result: SampleResult) -> list[RequestOutput]:
         now = time.time()
@@ -237,7 +269,7 @@ class LLMEngine:
             request.metrics.last_token_time = now
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
-                self._generators.pop(seq.seq_id, None)
+                self._finished_seq_ids.append(seq.seq_id)
             touched[request.request_id] = request
         outputs = []
         for request in touched.values():

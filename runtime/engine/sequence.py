@@ -5,13 +5,16 @@ per sample, each scheduled on its own. A sequence's tokens are its prompt follow
 generated; `num_computed_tokens` of them have their keys and values in the KV cache, held in the
 blocks listed in `block_table`. After a recompute preemption that count drops to zero and the
 sequence is prefilled again, prompt and output alike.
+
+Sequence ids are unique within one engine (each engine numbers its own: `seq_ids`), and
+order sequences by creation.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 
 from kvpilot.runtime.outputs import Logprob, RequestMetrics
 from kvpilot.runtime.sampling_params import SamplingParams
@@ -24,16 +27,13 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-_seq_ids = itertools.count()
-
-
 @dataclass(eq=False)
 class Sequence:
     request: Request
     index: int  # which of the request's n samples
     token_ids: list[int]
     num_prompt_tokens: int
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    seq_id: int
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -88,17 +88,18 @@ class Request:
     params: SamplingParams
     arrival_time: float
     priority: int = 0  # lower runs first under the priority policy
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[Sequence] = field(init=False)
     metrics: RequestMetrics = field(init=False)
+    _: KW_ONLY
+    seq_ids: InitVar[Iterator[int]]  # the engine's sequence numbering
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, seq_ids: Iterator[int]) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        if not self.seqs:
-            self.seqs = [
-                Sequence(request=self, index=i, token_ids=list(self.prompt_token_ids),
-                         num_prompt_tokens=len(self.prompt_token_ids))
-                for i in range(self.params.n)
-            ]
+        self.seqs = [
+            Sequence(request=self, index=i, token_ids=list(self.prompt_token_ids),
+                     num_prompt_tokens=len(self.prompt_token_ids), seq_id=next(seq_ids))
+            for i in range(self.params.n)
+        ]
 
     @property
     def is_finished(self) -> bool:

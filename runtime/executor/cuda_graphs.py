@@ -5,9 +5,8 @@ cache write and attention one by one from Python, and at small batches that take
 memory traffic it drives. A graph records those launches once per batch size and replays them
 with one call. Decode steps have one token per sequence, so a step of n sequences is fully
 described by n: it runs the graph of the smallest captured size >= n, on static input buffers
-that `run` fills each step. Rows past n are padding: token 0 at position 0, a cache slot of -1
-(the cache write skips it) and a context of one token (it reads some block's first slot; its
-output row is never used), so padding never touches a real sequence's cache.
+that `run` fills each step (through batch.py's `to_tensors`, which pads rows past n so that they
+never touch a real sequence's cache).
 
 The graphs record the ops' `for_graphs()`: on Hopper GPUs paged attention there takes the TMA
 decode kernel, whose launch costs more host time than the device time it saves, which a replay
@@ -34,6 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpilot.kernels.ops import Ops
+from kvpilot.runtime.executor.batch import to_tensors
+from kvpilot.runtime.executor.inputs import StepInputs
 from kvpilot.runtime.executor.models.llama import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -103,38 +104,34 @@ class DecodeGraphs:
             out = self.forward(*args)
         self._graphs[size] = (graph, out)
 
-    def stage(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-              block_tables: list[list[int]], seq_lens: list[int]) -> int | None:
+    def stage(self, inputs: StepInputs) -> int | None:
         """Copy a decode batch (one token per sequence) into the static inputs, padded to the
-        smallest captured size that holds it; that size, or None when none does (more sequences
-        than the largest size, or block tables wider than max_model_len allows)."""
-        n = len(input_ids)
-        size = next((s for s in self.sizes if s >= n), None)
-        width = len(block_tables[0])
+        smallest captured size that holds it (batch.py); that size, or None when none does (more
+        sequences than the largest size, or block tables wider than max_model_len allows)."""
+        size = next((s for s in self.sizes if s >= inputs.num_seqs), None)
+        width = max(len(t) for t in inputs.block_tables)
         if size is None or width > self.block_tables.shape[1]:
             return None
-        pad = size - n
         # padding goes in with the real rows: stale slots in the static buffers would write the
         # padding's K/V into some sequence's cache
-        self.input_ids[:size].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
-        self.positions[:size].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        self.slot_mapping[:size].copy_(torch.tensor(slot_mapping + [-1] * pad), non_blocking=True)
-        self.seq_lens[:size].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
-        # columns past a row's own blocks are never read (the kernels stop at its context)
-        self.block_tables[:n, :width].copy_(torch.tensor(block_tables, dtype=torch.int32), non_blocking=True)
+        input_ids, positions, meta = to_tensors(inputs, "cpu", pad_to=size)
+        self.input_ids[:size].copy_(input_ids, non_blocking=True)
+        self.positions[:size].copy_(positions, non_blocking=True)
+        self.slot_mapping[:size].copy_(meta.slot_mapping, non_blocking=True)
+        self.seq_lens[:size].copy_(meta.seq_lens, non_blocking=True)
+        self.block_tables[:size, :width].copy_(meta.block_tables, non_blocking=True)
         return size
 
-    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-            block_tables: list[list[int]], seq_lens: list[int]) -> torch.Tensor | None:
-        """Replay the decode step of len(input_ids) sequences; their hidden states (n, hidden),
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Replay the decode step of `inputs`; the sequences' hidden states (num_seqs, hidden),
         valid until the next replay, or None when no graph holds the batch (run it eagerly)."""
-        size = self.stage(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        size = self.stage(inputs)
         if size is None:
             return None
         graph, out = self._graphs[size]
         graph.replay()
         self.replays += 1
-        return out[:len(input_ids)]
+        return out[:inputs.num_seqs]
 
 
 def model_forward(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -1,11 +1,7 @@
 """The only part of the engine that touches tensors: owns the model and the KV cache, turns a
-scheduled batch into input tensors, runs the forward pass and samples.
-
-Batch layout (varlen, no padding): the scheduled sequences' new tokens are laid back to back.
-For sequence i with `c` tokens already computed and `n` new ones, rows qsl[i]:qsl[i]+n of the
-batch hold its tokens c..c+n-1, at positions c..c+n-1, written to slots taken from its block
-table; attention sees its whole context of c+n tokens. Only sequences whose chunk reaches their
-last token produce logits.
+step's inputs (plain lists the engine builds: inputs.py) into tensors (batch.py), runs the forward
+pass and samples. It knows nothing of the scheduler's sequences; the random generators of seeded
+sequences live here, keyed by sequence id.
 
 Under tensor parallelism every rank has a runner over its slice of the model and KV cache; rank
 0's `execute` broadcasts the step's inputs and the other ranks' `follow` loop runs them.
@@ -13,39 +9,26 @@ Under tensor parallelism every rank has a runner over its slice of the model and
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from kvpilot.kernels import ops as kernel_ops
 from kvpilot.kernels.reference import kv_cache_empty
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.executor.batch import to_tensors
 from kvpilot.runtime.executor.cpu_linear import pack_linears
 from kvpilot.runtime.executor.cuda_graphs import DecodeGraphs, model_forward
 from kvpilot.runtime.executor.loader import load_model, resolve_dtype
-from kvpilot.runtime.executor.models.llama import AttentionMetadata, cos_sin_cache
+from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
+from kvpilot.runtime.executor.models.llama import cos_sin_cache
 from kvpilot.runtime.executor.parallel import TPInfo
-from kvpilot.runtime.executor.sampler import SampleResult, SamplingRow, sample
-from kvpilot.runtime.engine.scheduler import ScheduledSeq
+from kvpilot.runtime.executor.sampler import SampleResult, sample
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
-
-
-@dataclass
-class StepInputs:
-    """One step's model inputs as plain lists: cheap to broadcast to the other ranks."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    block_tables: list[list[int]]
-    seq_lens: list[int]
-    query_start_loc: list[int]
-    logits_rows: list[int]
 
 
 class ModelRunner:
@@ -66,6 +49,7 @@ class ModelRunner:
         self.num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self._host_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # swap space, made on first use
+        self._generators: dict[int, torch.Generator] = {}  # seeded sequences' own random streams
         self._capture_graphs()
 
     def _capture_graphs(self) -> None:
@@ -172,59 +156,43 @@ class ModelRunner:
             _copy_blocks(swap_out, self.kv_caches, self._host_caches)
             _copy_blocks(swap_in, self._host_caches, self.kv_caches)
 
-    def _prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        bs = self.block_size
-        inputs = StepInputs([], [], [], [], [], [0], [])
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        for s in scheduled:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_new_tokens
-            table = seq.block_table
-            inputs.input_ids.extend(seq.token_ids[start:end])
-            inputs.positions.extend(range(start, end))
-            inputs.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            inputs.seq_lens.append(end)
-            inputs.query_start_loc.append(inputs.query_start_loc[-1] + s.num_new_tokens)
-            if s.samples:
-                inputs.logits_rows.append(inputs.query_start_loc[-1] - 1)
-            inputs.block_tables.append(table + [0] * (max_blocks - len(table)))
-        return inputs
-
     def _run(self, inputs: StepInputs) -> torch.Tensor | None:
         """Forward pass on this rank; logits (num_logits_rows, vocab) or None when nothing samples."""
-        dev = self.device
-        max_query_len = max(b - a for a, b in itertools.pairwise(inputs.query_start_loc))
         hidden = None
-        if self.graphs is not None and max_query_len == 1 and len(inputs.input_ids) == len(inputs.seq_lens):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,
-                                     inputs.block_tables, inputs.seq_lens)
+        if self.graphs is not None and inputs.is_decode_only:
+            hidden = self.graphs.run(inputs)
         if hidden is None:
-            meta = AttentionMetadata(
-                slot_mapping=torch.tensor(inputs.slot_mapping, dtype=torch.long, device=dev),
-                block_tables=torch.tensor(inputs.block_tables, dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
-                query_start_loc=torch.tensor(inputs.query_start_loc, dtype=torch.int32, device=dev),
-                max_query_len=max_query_len,
-            )
-            input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
-            positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
+            input_ids, positions, meta = to_tensors(inputs, self.device)
             plan = self.ops.plan(meta, positions, self.rope, self.block_size)
             hidden = self.model(input_ids, self.kv_caches, plan, self.ops)
         if not inputs.logits_rows:
             return None
-        rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev)
+        rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], rows: list[SamplingRow]) -> SampleResult:
-        """Run one step; `rows` are the sampling rows of the scheduled sequences that sample, in order."""
-        inputs = self._prepare(scheduled)
-        if self.tp.size > 1:
-            self.tp.broadcast(("step", inputs))
+    def execute(self, inputs: StepInputs) -> SampleResult:
+        """Run one step and sample a token for each of its sampling rows, in order."""
+        for seq_id in inputs.finished_seq_ids:
+            self._generators.pop(seq_id, None)
+        if self.tp.size > 1:  # the other ranks need only the model's inputs
+            self.tp.broadcast(("step", dataclasses.replace(inputs, sampling_rows=[], finished_seq_ids=[])))
         logits = self._run(inputs)
         if logits is None:
             return SampleResult(token_ids=[], logprobs=[])
-        return sample(logits, rows)
+        rows = inputs.sampling_rows
+        return sample(logits, rows, [self._generator(row) for row in rows])
+
+    def _generator(self, row: SamplingRow) -> torch.Generator | None:
+        """A seeded sequence's generator, made on its first sample: its draws then depend only on
+        its seed, not on what else runs in the batch."""
+        if row.seed is None:
+            return None
+        gen = self._generators.get(row.seq_id)
+        if gen is None:
+            gen = self._generators[row.seq_id] = torch.Generator(device=self.device)
+            gen.manual_seed(row.seed)
+        return gen
 
     @torch.inference_mode()
     def follow(self) -> None:

@@ -4,18 +4,16 @@ Every rank holds a slice of each layer: attention heads and KV cache split by KV
 split along its intermediate size, embedding and LM head split by vocabulary. Column-parallel
 projections (q/k/v, gate/up) need no communication; row-parallel ones (o, down) end in one
 all-reduce; the vocabulary-parallel embedding ends in an all-reduce and the LM head in an
-all-gather. Rank 0 runs the scheduler and broadcasts each step's inputs; ranks 1..N-1 run
-`worker_main` in processes of their own. NCCL on CUDA, gloo on the CPU.
+all-gather. Rank 0 runs the scheduler and broadcasts each step's inputs; ranks 1..N-1 run in
+processes of their own (worker.py). NCCL on CUDA, gloo on the CPU.
 """
 
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import socket
 from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -80,30 +78,6 @@ def init_group(rank: int, size: int, port: int, device_type: str) -> TPInfo:
     return TPInfo(rank, size)
 
 
-def start_tensor_parallel(config: Any) -> tuple[list[BaseProcess], TPInfo]:
-    """Start ranks 1..N-1 in their own processes and join the group as rank 0."""
-    size = config.device.tensor_parallel_size
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    workers: list[BaseProcess] = [ctx.Process(target=worker_main, args=(config, rank, size, port), daemon=True, name=f"kvpilot-tp{rank}")
-               for rank in range(1, size)]
-    for proc in workers:
-        proc.start()
-    return workers, init_group(0, size, port, config.device.device)
-
-
 def destroy_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def worker_main(config: Any, rank: int, size: int, port: int) -> None:
-    """Entry point of ranks 1..N-1: build this rank's runner, then follow rank 0's commands."""
-    from kvpilot.runtime.executor.model_runner import ModelRunner
-
-    tp = init_group(rank, size, port, config.device.device)
-    runner = ModelRunner(config, tp)
-    try:
-        runner.follow()
-    finally:
-        destroy_group()

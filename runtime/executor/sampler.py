@@ -13,16 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.runtime.sampling_params import SamplingParams
-
-
-@dataclass
-class SamplingRow:
-    params: SamplingParams
-    token_ids: list[int]  # prompt + output so far
-    num_prompt_tokens: int
-    generator: torch.Generator | None
-    eos_token_ids: set[int]
+from kvpilot.runtime.executor.inputs import SamplingRow
 
 
 @dataclass
@@ -86,8 +77,10 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-    """logits (num_rows, vocab) float32 -> one token per row."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           generators: list[torch.Generator | None] | None = None) -> SampleResult:
+    """logits (num_rows, vocab) float32 -> one token per row; `generators[i]` (None: the global
+    one) draws row i's noise."""
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
     if any(r.params.needs_penalties or r.params.min_tokens for r in rows):
@@ -101,7 +94,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         probs = _filter(logits[idx], [rows[i] for i in random_rows])
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
-            noise[j].exponential_(generator=rows[i].generator)
+            noise[j].exponential_(generator=generators[i] if generators else None)
         chosen[idx] = (probs / noise).argmax(dim=-1)
     token_ids = chosen.tolist()
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * len(rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -14,9 +15,11 @@ from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.runtime.engine.sequence import Request, Sequence
 
+SEQ_IDS = itertools.count()  # an engine numbers its sequences; these tests are one engine
+
 
 def make_seq(num_prompt: int, rid: str = "r") -> Sequence:
-    return Request(rid, None, list(range(num_prompt)), SamplingParams(), arrival_time=0.0).seqs[0]
+    return Request(rid, None, list(range(num_prompt)), SamplingParams(), arrival_time=0.0, seq_ids=SEQ_IDS).seqs[0]
 
 
 def run_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
@@ -128,7 +131,7 @@ def test_config_errors_name_the_field() -> None:
 
 
 def seq_of(tokens: list[int], rid: str = "r") -> Sequence:
-    return Request(rid, None, list(tokens), SamplingParams(), arrival_time=0.0).seqs[0]
+    return Request(rid, None, list(tokens), SamplingParams(), arrival_time=0.0, seq_ids=SEQ_IDS).seqs[0]
 
 
 def computed(bm: BlockManager, seq: Sequence) -> Sequence:
@@ -226,7 +229,7 @@ def test_recompute_preemption_finds_its_own_blocks_in_the_cache() -> None:
 
 def prio_seq(num_prompt: int, rid: str, priority: int, arrival: float) -> Sequence:
     return Request(rid, None, list(range(num_prompt)), SamplingParams(), arrival_time=arrival,
-                   priority=priority).seqs[0]
+                   priority=priority, seq_ids=SEQ_IDS).seqs[0]
 
 
 def test_priority_policy_admits_by_priority_then_arrival() -> None:

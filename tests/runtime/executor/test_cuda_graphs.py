@@ -7,6 +7,7 @@ import pytest
 
 from kvpilot.runtime import LLM
 from kvpilot.runtime.executor.cuda_graphs import capture_sizes
+from kvpilot.runtime.executor.inputs import StepInputs
 
 
 @pytest.mark.parametrize("max_num_seqs,expected", [
@@ -42,15 +43,22 @@ def test_staging_pads_with_rows_that_write_nowhere() -> None:
                           device=torch.device("cpu"))
     assert graphs.sizes == [1, 2, 4, 8, 16, 20]
     ten = list(range(10))
-    assert graphs.stage([7] * 10, [5] * 10, [100 + i for i in ten], [[i, i + 1] for i in ten], [6] * 10) == 16
+    assert graphs.stage(decode([7] * 10, [5] * 10, [100 + i for i in ten], [[i, i + 1] for i in ten], [6] * 10)) == 16
     assert graphs.slot_mapping[:16].tolist() == [100 + i for i in ten] + [-1] * 6
-    assert graphs.stage([1, 2, 3], [9, 8, 7], [40, 41, 42], [[3, 4, 5], [6, 7, 8], [9, 10, 11]], [10, 9, 8]) == 4
+    assert graphs.stage(decode([1, 2, 3], [9, 8, 7], [40, 41, 42], [[3, 4, 5], [6, 7], [9]], [10, 9, 8])) == 4
     assert graphs.input_ids[:4].tolist() == [1, 2, 3, 0]
     assert graphs.positions[:4].tolist() == [9, 8, 7, 0]
     assert graphs.slot_mapping[:4].tolist() == [40, 41, 42, -1]  # rows 4..15 are not replayed at size 4
     assert graphs.seq_lens[:4].tolist() == [10, 9, 8, 1]
-    assert graphs.block_tables[:3, :3].tolist() == [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert graphs.block_tables[:3, :3].tolist() == [[3, 4, 5], [6, 7, 0], [9, 0, 0]]  # ragged tables padded
     assert graphs.query_start_loc[:5].tolist() == [0, 1, 2, 3, 4]
     # more sequences than the largest graph, or wider tables than max_model_len allows: eager
-    assert graphs.stage([0] * 21, [0] * 21, [0] * 21, [[0]] * 21, [1] * 21) is None
-    assert graphs.stage([0], [0], [0], [[0] * 5], [1]) is None
+    assert graphs.stage(decode([0] * 21, [0] * 21, [0] * 21, [[0]] * 21, [1] * 21)) is None
+    assert graphs.stage(decode([0], [0], [0], [[0] * 5], [1])) is None
+
+
+def decode(input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+           seq_lens: list[int]) -> StepInputs:
+    """A decode step's inputs: one token per sequence, all sampling."""
+    n = len(input_ids)
+    return StepInputs(input_ids, positions, slots, tables, seq_lens, list(range(n + 1)), list(range(n)))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kvpilot.runtime.executor.sampler import SamplingRow, sample
+from kvpilot.runtime.executor.inputs import SamplingRow
+from kvpilot.runtime.executor.sampler import sample
 from kvpilot.runtime.sampling_params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
@@ -13,10 +14,10 @@ LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
 
 def draw(params: SamplingParams, n: int = 4000, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    row = SamplingRow(params=params, token_ids=[0], num_prompt_tokens=1, generator=gen, eos_token_ids=set())
+    row = SamplingRow(seq_id=0, params=params, token_ids=[0], num_prompt_tokens=1, eos_token_ids=frozenset())
     counts = torch.zeros(LOGITS.shape[1])
     for _ in range(n):
-        counts[sample(LOGITS.clone(), [row]).token_ids[0]] += 1
+        counts[sample(LOGITS.clone(), [row], [gen]).token_ids[0]] += 1
     return counts / n
 
 
@@ -46,8 +47,8 @@ def test_low_temperature_sharpens() -> None:
 
 
 def test_greedy_and_logprobs_of_the_raw_distribution() -> None:
-    row = SamplingRow(params=SamplingParams(temperature=0, logprobs=2, repetition_penalty=5.0),
-                      token_ids=[0], num_prompt_tokens=1, generator=None, eos_token_ids=set())
+    row = SamplingRow(seq_id=0, params=SamplingParams(temperature=0, logprobs=2, repetition_penalty=5.0),
+                      token_ids=[0], num_prompt_tokens=1, eos_token_ids=frozenset())
     result = sample(LOGITS.clone(), [row])
     assert result.token_ids == [1]  # the penalty on token 0 (seen in the prompt) flips the argmax
     value, rank, top = result.logprobs[0]

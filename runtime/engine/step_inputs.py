@@ -1,0 +1,37 @@
+"""The scheduler's decision as the executor's input: `build_step_inputs` turns the scheduled
+sequences into a `StepInputs` (plain lists; executor/inputs.py defines its layout), so the model
+runner never sees a `Sequence`. No torch."""
+
+from __future__ import annotations
+
+from kvpilot.runtime.engine.scheduler import ScheduledSeq
+from kvpilot.runtime.engine.sequence import Sequence
+from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
+
+
+def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, eos_token_ids: frozenset[int],
+                      finished_seq_ids: list[int]) -> StepInputs:
+    """Each scheduled sequence's next `num_new_tokens` tokens, back to back; the sequences that
+    reach their last token sample, in the order they are scheduled."""
+    inputs = StepInputs([], [], [], [], [], [0], [], finished_seq_ids=finished_seq_ids)
+    for s in scheduled:
+        seq, start = s.seq, s.seq.num_computed_tokens
+        end = start + s.num_new_tokens
+        table = seq.block_table
+        inputs.input_ids.extend(seq.token_ids[start:end])
+        inputs.positions.extend(range(start, end))
+        inputs.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        inputs.block_tables.append(table)
+        inputs.seq_lens.append(end)
+        inputs.query_start_loc.append(inputs.query_start_loc[-1] + s.num_new_tokens)
+        if s.samples:
+            inputs.logits_rows.append(inputs.query_start_loc[-1] - 1)
+            inputs.sampling_rows.append(sampling_row(seq, eos_token_ids))
+    return inputs
+
+
+def sampling_row(seq: Sequence, eos_token_ids: frozenset[int]) -> SamplingRow:
+    seed = seq.params.seed
+    return SamplingRow(seq_id=seq.seq_id, params=seq.params, token_ids=seq.token_ids,
+                       num_prompt_tokens=seq.num_prompt_tokens, eos_token_ids=eos_token_ids,
+                       seed=None if seed is None else seed + seq.index)

@@ -1,0 +1,8 @@
+"""Errors that cross the runtime's layers."""
+
+from __future__ import annotations
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can serve nothing more (its loop crashed, or a worker process died); every open
+    request fails with it, and the server's `/health` answers 503."""

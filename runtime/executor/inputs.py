@@ -1,0 +1,59 @@
+"""What the engine hands the executor each step: plain lists, no tensors, no scheduler objects.
+
+The engine lays the scheduled sequences' new tokens back to back (varlen, no padding). For the
+i-th sequence with `c` tokens already in the KV cache and `n` new ones, rows
+`query_start_loc[i]:query_start_loc[i + 1]` hold its tokens c..c+n-1, at positions c..c+n-1,
+written to the cache slots `slot_mapping` lists (block `block_tables[i][p // block_size]`,
+offset `p % block_size`); attention sees its whole context of `seq_lens[i]` = c+n tokens. A
+sequence with one new token is a *decode*, one with more a *prefill* (or a chunk of one); only
+sequences whose chunk reaches their last token produce logits (`logits_rows`) and sample (their
+`sampling_rows`, in the same order).
+
+Everything here is picklable: under tensor parallelism rank 0 broadcasts the model half of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from kvpilot.runtime.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One sequence that samples this step."""
+
+    seq_id: int  # the executor keeps a seeded sequence's random generator under this id
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output so far (for penalties)
+    num_prompt_tokens: int
+    eos_token_ids: frozenset[int]
+    seed: int | None = None  # this sequence's own seed (the request's seed + its sample index)
+
+
+@dataclass
+class StepInputs:
+    input_ids: list[int]  # (num_tokens,)
+    positions: list[int]  # (num_tokens,)
+    slot_mapping: list[int]  # (num_tokens,) cache slot of each new token
+    block_tables: list[list[int]]  # per sequence, its blocks in order (ragged: not padded)
+    seq_lens: list[int]  # per sequence, its context length once this step's tokens are in
+    query_start_loc: list[int]  # (num_seqs + 1,) where each sequence's rows start
+    logits_rows: list[int]  # rows whose logits are sampled: the last row of each sampling sequence
+    sampling_rows: list[SamplingRow] = field(default_factory=list)
+    # sequences that finished or were aborted since the last step: their generators are dropped
+    finished_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(b - a for a, b in itertools.pairwise(self.query_start_loc))
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence computes exactly one token (the steps decode CUDA graphs replay)."""
+        return len(self.input_ids) == self.num_seqs
