@@ -59,7 +59,8 @@ class Workers:
         self.error: WorkerDiedError | None = None
         self._stopping = False
         self._lock = threading.Lock()
-        self._died = threading.Event()
+        self._detected = threading.Event()  # a worker is gone ...
+        self._died = threading.Event()  # ... and the others are stopped: `error` is set
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)  # ends the monitor at shutdown
         ctx = mp.get_context("spawn")
         port = free_port()
@@ -121,13 +122,15 @@ class Workers:
         with self._lock:
             if self._stopping:
                 return
+            self._detected.set()
             rank, proc = next(sentinels[s] for s in ready if s in sentinels)  # type: ignore[index]
             proc.join()
-            self.error = WorkerDiedError(self._describe(rank, proc))
-            logger.error("%s", self.error)
+            error = WorkerDiedError(self._describe(rank, proc))
+            logger.error("%s", error)
             self._stop_others(proc)
             if self.backend == "nccl":
                 _abort_group()
+            self.error = error
             self._died.set()
 
     def _describe(self, rank: int, proc: BaseProcess) -> str:
@@ -151,8 +154,8 @@ class Workers:
         briefly. Other errors (a bad config, say, which fails every rank alike) are rank 0's own."""
         if not isinstance(error, RuntimeError):
             return error
-        if self.error is None:
-            self._died.wait(timeout=CONFIRM_DEATH_S)
+        if self._detected.wait(timeout=CONFIRM_DEATH_S):
+            self._died.wait()  # bounded: the other workers are killed after STOP_TIMEOUT_S
         return self.error if self.error is not None else error
 
     def _stop_others(self, dead: BaseProcess | None) -> None:
