@@ -45,25 +45,34 @@ class BlockSwitchMachine(RuleBasedStateMachine):
     reference: dict[tuple[int, ...], list[int]] = {}
     reference_llm: LLM | None = None
 
-    @initialize(blocks=st.sampled_from([10, 12, 16]), block_size=st.sampled_from(BLOCK_SIZES),
-                prefix=st.booleans())
-    def start(self, blocks: int, block_size: int, prefix: bool) -> None:
+    @initialize(blocks=st.sampled_from([8, 10, 12]), block_size=st.sampled_from(BLOCK_SIZES),
+                prefix=st.booleans(), mode=st.sampled_from(["recompute", "swap"]),
+                arrivals=st.lists(st.tuples(st.sampled_from(range(len(PROMPTS))), st.integers(1, MAX_TOKENS)),
+                                  min_size=2, max_size=5),
+                steps=st.integers(1, 3))
+    def start(self, blocks: int, block_size: int, prefix: bool, mode: str, arrivals: list[tuple[int, int]],
+              steps: int) -> None:
+        """An engine already serving: every example starts with requests in flight."""
         # `blocks` of 16 tokens, whatever the first block size: enough for one max-length sequence
         self.llm = LLM(self.folder, max_model_len=MAX_LEN, num_gpu_blocks_override=blocks * 16 // block_size,
-                       block_size=block_size, max_num_seqs=6, max_num_batched_tokens=MAX_LEN,
+                       block_size=block_size, max_num_seqs=6, preemption_mode=mode, max_num_batched_tokens=MAX_LEN,
                        swap_space=96 * BYTES_PER_TOKEN / (1 << 30), enable_prefix_caching=prefix)
         self.engine = self.llm.engine
         self.wanted: dict[str, tuple[list[int], int]] = {}
         self.done: dict[str, list[int]] = {}
         self.next_id = 0
-        self.relayouts = 0
+        self.arrive(arrivals)
+        self.step(steps)
 
-    @rule(prompt=st.sampled_from(range(len(PROMPTS))), max_tokens=st.integers(1, MAX_TOKENS))
-    def arrive(self, prompt: int, max_tokens: int) -> None:
-        rid = f"r{self.next_id}"
-        self.next_id += 1
-        self.engine.add_request(rid, PROMPTS[prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-        self.wanted[rid] = (PROMPTS[prompt], max_tokens)
+    @rule(arrivals=st.lists(st.tuples(st.sampled_from(range(len(PROMPTS))), st.integers(1, MAX_TOKENS)),
+                            min_size=1, max_size=3))
+    def arrive(self, arrivals: list[tuple[int, int]]) -> None:
+        for prompt, max_tokens in arrivals:
+            rid = f"r{self.next_id}"
+            self.next_id += 1
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            self.engine.add_request(rid, PROMPTS[prompt], params)
+            self.wanted[rid] = (PROMPTS[prompt], max_tokens)
 
     @rule(steps=st.integers(1, 4))
     def step(self, steps: int) -> None:
@@ -93,6 +102,7 @@ class BlockSwitchMachine(RuleBasedStateMachine):
         self.engine.scheduler.preempt(seq, out)
         self.engine.runner.swap_blocks(out.swap_out, out.swap_in)
 
+    @precondition(lambda self: self.engine.scheduler.running or self.engine.scheduler.swapped)
     @rule(block_size=st.sampled_from(BLOCK_SIZES))
     def change_block_size(self, block_size: int) -> None:
         engine, sched = self.engine, self.engine.scheduler
@@ -103,7 +113,6 @@ class BlockSwitchMachine(RuleBasedStateMachine):
         assert ("block_size" in applied) == (old != block_size)
         if old == block_size:
             return
-        self.relayouts += 1
         report = engine.last_relayout
         assert report is not None and engine.block_manager.block_size == block_size == engine.runner.block_size
         dropped = set(report.preempted) | set(report.swapped_recomputed)
@@ -175,5 +184,5 @@ class BlockSwitchMachine(RuleBasedStateMachine):
 def test_block_size_changes_under_random_traffic(tiny_models) -> None:
     BlockSwitchMachine.folder = tiny_models["llama"][0]
     run_state_machine_as_test(BlockSwitchMachine, settings=settings(
-        max_examples=12, stateful_step_count=30, deadline=None, derandomize=True,
+        max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
