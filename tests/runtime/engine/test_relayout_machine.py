@@ -12,7 +12,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.config import BLOCK_SIZES
@@ -138,7 +145,7 @@ class BlockSwitchMachine(RuleBasedStateMachine):
             assert bm.ref_counts[b] == len(holders.get(b, []))
             assert (b in bm.free_block_ids) == (b not in holders)
         bs = bm.block_size
-        for b, owners in holders.items():  # shared only as one prefix: full, computed, same tokens
+        for owners in holders.values():  # shared only as one prefix: full, computed, same tokens
             if len(owners) > 1:
                 tokens = {tuple(s.token_ids[i * bs:(i + 1) * bs]) for s, i in owners}
                 assert len(tokens) == 1 and all(s.num_computed_tokens >= (i + 1) * bs for s, i in owners)
