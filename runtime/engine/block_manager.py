@@ -84,6 +84,25 @@ class BlockManager:
         seq.block_table = []
         seq.prefix_digests = []
 
+    def reconfigure(self, num_blocks: int, block_size: int, holders: list[Sequence]) -> None:
+        """Blocks re-cut to `block_size` (the cache was re-laid in place: engine/relayout.py):
+        `holders` are the sequences with blocks, their tables already rewritten. Reference counts
+        and the free pool follow from those tables; the prefix cache is rebuilt from the holders'
+        computed blocks (cached blocks that no sequence held are dropped with the old cut)."""
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, not {num_blocks}")
+        ref_counts = [0] * num_blocks
+        for seq in holders:
+            for block_id in seq.block_table:
+                ref_counts[block_id] += 1
+        self.num_blocks, self.block_size, self.ref_counts = num_blocks, block_size, ref_counts
+        self.free_block_ids = OrderedDict.fromkeys(b for b in range(num_blocks) if ref_counts[b] == 0)
+        self.block_digests = [None] * num_blocks
+        self.cached = {}
+        for seq in holders:
+            seq.prefix_digests = []
+            self.register_computed(seq)
+
     # ---- prefix cache ---------------------------------------------------------------------
 
     def match_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:

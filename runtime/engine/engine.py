@@ -18,6 +18,8 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine.relayout import plan_relayout
+from kvpilot.runtime.executor import kv_cache
 from kvpilot.runtime.executor.model_runner import ModelRunner
 from kvpilot.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from kvpilot.runtime.executor.worker import Workers
@@ -80,6 +82,25 @@ def _fails_with_workers(method: Callable[Concatenate[LLMEngine, P], R]) -> Calla
     return guarded
 
 
+@dataclass
+class RelayoutReport:
+    """What a live block-size change did (`LLMEngine.last_relayout`; the admin API returns it)."""
+
+    old_block_size: int
+    new_block_size: int
+    pause_ms: float  # no step ran meanwhile: planning, copies and bookkeeping
+    bytes_moved: int  # written in device memory
+    swap_bytes_moved: int  # written in the host swap space
+    num_blocks: int
+    num_running_kept: int  # running sequences whose KV was re-laid
+    num_swapped_kept: int  # swapped sequences whose host KV was re-laid
+    preempted: list[str]  # request ids of running sequences recomputed: the new cut could not hold them
+    swapped_recomputed: list[str]  # request ids of swapped sequences that no longer fit the swap space
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -98,9 +119,10 @@ class LLMEngine:
                 raise
             raise failure from error
         self.tokenizer = Tokenizer(config.model.tokenizer) if config.model.tokenizer else None
-        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.runner.num_swap_blocks)
+        layout = self.runner.layout  # the owner of the block size and the block counts
+        self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, layout.num_swap_blocks)
+        self.last_relayout: RelayoutReport | None = None
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()  # this engine's own: ids key per-sequence state in the runner
         self._finished_seq_ids: list[int] = []  # for the runner to forget, with the next step
@@ -181,8 +203,8 @@ class LLMEngine:
         """Apply live tunables between steps without dropping a request; returns what changed
         as {name: {"old": ..., "new": ...}}. Call only from the thread that runs `step`.
 
-        A new block size re-cuts the KV cache: running sequences are recompute-preempted first
-        and re-prefilled on the next steps, so their outputs continue unchanged.
+        A new block size re-cuts the KV cache in place and keeps the KV of running and swapped
+        sequences (`_change_block_size`); `last_relayout` says what it cost.
         """
         unknown = sorted(set(changes) - set(LIVE_TUNABLES))
         if unknown:
@@ -198,16 +220,46 @@ class LLMEngine:
         scheduler = dataclasses.replace(self.config.scheduler, **sched_fields)  # type: ignore[arg-type]
         if "block_size" in wanted:
             cache = dataclasses.replace(cache, block_size=wanted["block_size"])  # type: ignore[arg-type]
-            self.scheduler.preempt_all()
-            self.runner.resize_kv_cache(cache.block_size)
-            self.block_manager = BlockManager(self.runner.num_blocks, cache.block_size,
-                                              cache.enable_prefix_caching)
-            self.scheduler.block_manager = self.block_manager
-            self.scheduler.set_swap_space(self.runner.num_swap_blocks)
+            self.last_relayout = self._change_block_size(cache.block_size)
         self.config = dataclasses.replace(self.config, cache=cache, scheduler=scheduler)
-        self.scheduler.config = scheduler
+        self.scheduler.reconfigure(scheduler)
         after = self.live_config()
         return {k: {"old": before[k], "new": after[k]} for k in wanted}
+
+    def _change_block_size(self, block_size: int) -> RelayoutReport:
+        """Re-cut the KV cache into blocks of `block_size` in place: the blocks of running
+        sequences (on the device) and swapped ones (in the swap space) are re-laid and their tables
+        rewritten (engine/relayout.py plans, the runner copies); only sequences the new cut cannot
+        hold are recomputed, the fewest possible."""
+        started = time.perf_counter()
+        sched, old = self.scheduler, self.runner.layout
+        new = old.with_block_size(block_size)
+        batch = kv_cache.max_batch(old, old.block_size, block_size)
+        running, swapped = list(sched.running), list(sched.swapped)
+        plan = plan_relayout(old.block_size, block_size, old.num_blocks, new.num_blocks,
+                             [(s.block_table, s.num_computed_tokens) for s in running], batch)
+        swap_plan = plan_relayout(old.block_size, block_size, old.num_swap_blocks, new.num_swap_blocks,
+                                  [(s.swap_table, s.num_computed_tokens) for s in swapped], batch)
+        dropped = [running[i] for i in plan.dropped]
+        for seq in dropped:
+            sched.preempt(seq)  # recompute: its blocks go back before the new cut is counted
+        moved, host_moved = self.runner.relayout(block_size, plan, swap_plan)
+        for seq, table in zip(running, plan.tables, strict=True):
+            if table is not None:
+                seq.block_table = list(table)
+        self.block_manager.reconfigure(new.num_blocks, block_size, sched.running)
+        requeued = sched.reconfigure(num_swap_blocks=new.num_swap_blocks, swap_tables=list(swap_plan.tables))
+        report = RelayoutReport(
+            old_block_size=old.block_size, new_block_size=block_size,
+            pause_ms=(time.perf_counter() - started) * 1e3, bytes_moved=moved, swap_bytes_moved=host_moved,
+            num_blocks=new.num_blocks, num_running_kept=len(running) - len(dropped),
+            num_swapped_kept=len(swapped) - len(requeued),
+            preempted=[s.request.request_id for s in dropped],
+            swapped_recomputed=[s.request.request_id for s in requeued])
+        logger.info("block size %d -> %d in %.1f ms: %d running and %d swapped sequences kept, %.1f MiB moved, "
+                    "%d recomputed", old.block_size, block_size, report.pause_ms, report.num_running_kept,
+                    report.num_swapped_kept, (moved + host_moved) / (1 << 20), len(dropped) + len(requeued))
+        return report
 
     # ---- the step -------------------------------------------------------------------------
 

@@ -80,14 +80,31 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
-    def set_swap_space(self, num_swap_blocks: int) -> None:
-        """A new swap space (after a block-size change); swapped sequences are recomputed instead."""
-        for seq in reversed(self.swapped):
-            self._drop_swap(seq)
+    def reconfigure(self, config: SchedulerConfig | None = None, *, num_swap_blocks: int | None = None,
+                    swap_tables: list[list[int] | None] | None = None) -> list[Sequence]:
+        """Live changes: a new `config` (read from the next step on), and/or the swap space re-cut
+        into `num_swap_blocks` blocks with each swapped sequence's new `swap_tables` entry (in
+        `self.swapped` order; None: it no longer fits and is recomputed instead). Returns the
+        sequences sent back to recompute."""
+        if config is not None:
+            self.config = config
+        if num_swap_blocks is None:
+            return []
+        tables = swap_tables if swap_tables is not None else [None] * len(self.swapped)
+        if len(tables) != len(self.swapped):
+            raise ValueError(f"{len(tables)} swap tables for {len(self.swapped)} swapped sequences")
+        requeued = []
+        for seq, table in zip(list(self.swapped), tables, strict=True):
+            seq.swap_table = list(table) if table is not None else []
+            if table is None:
+                requeued.append(seq)
+        for seq in reversed(requeued):  # recomputed first, oldest first
+            self.swapped.remove(seq)
             self._requeue(seq)
-        self.swapped.clear()
-        self.free_swap_blocks = deque(range(num_swap_blocks))
+        used = {b for seq in self.swapped for b in seq.swap_table}
+        self.free_swap_blocks = deque(b for b in range(num_swap_blocks) if b not in used)
         self.num_swap_blocks = num_swap_blocks
+        return requeued
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -227,13 +244,6 @@ class Scheduler:
     def _drop_swap(self, seq: Sequence) -> None:
         self.free_swap_blocks.extend(seq.swap_table)
         seq.swap_table = []
-
-    def preempt_all(self) -> int:
-        """Recompute-preempt every running sequence, oldest ending first in the queue; returns how many."""
-        running = list(self.running)
-        for seq in reversed(running):
-            self.preempt(seq)
-        return len(running)
 
 
 def _priority_key(seq: Sequence) -> tuple[int, float, int]:

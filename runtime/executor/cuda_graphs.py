@@ -13,8 +13,9 @@ decode kernel, whose launch costs more host time than the device time it saves, 
 does not pay (kernels/paged_attention/tma_decode.py).
 
 Graphs are captured when the runner starts (after the KV cache is allocated, largest first, into
-one shared memory pool) and again after a live block-size change, which replaces the cache
-tensors the graphs point to. Prefill and mixed steps, batches larger than the largest size, and
+one shared memory pool), for every allowed block size (`GraphsBySize`): a live block-size change
+re-cuts the same cache memory (kv_cache.py), so each size's graphs stay valid and are reused on
+every later switch to that size. Prefill and mixed steps, batches larger than the largest size, and
 `--enforce-eager` run eagerly.
 
 CI has no GPU: tests/runtime/test_gpu_engine.py checks the graphs against HF and against eager mode
@@ -77,9 +78,9 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def capture_all(self) -> None:
+    def capture_all(self, pool: _POOL_HANDLE | None = None) -> None:
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()  # one pool: the graphs replay one at a time
+        pool = pool or torch.cuda.graph_pool_handle()  # one pool: the graphs replay one at a time
         for size in reversed(self.sizes):  # largest first: the smaller ones fit in its memory
             self._capture(size, pool)
         logger.info("captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s",
@@ -132,6 +133,28 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return out[:inputs.num_seqs]
+
+
+class GraphsBySize:
+    """Each block size's decode graphs, captured once into one memory pool (one size runs at a
+    time, so their intermediates can share it)."""
+
+    def __init__(self) -> None:
+        self._by_size: dict[int, DecodeGraphs] = {}
+        self._pool: _POOL_HANDLE | None = None
+
+    def get(self, block_size: int) -> DecodeGraphs | None:
+        return self._by_size.get(block_size)
+
+    def capture(self, block_size: int, graphs: DecodeGraphs) -> None:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graphs.capture_all(self._pool)
+        self._by_size[block_size] = graphs
+
+    @property
+    def block_sizes(self) -> list[int]:
+        return sorted(self._by_size)
 
 
 def model_forward(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

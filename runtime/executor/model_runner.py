@@ -15,11 +15,12 @@ import logging
 import torch
 
 from kvpilot.kernels import ops as kernel_ops
-from kvpilot.kernels.reference import kv_cache_empty
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.config import BLOCK_SIZES, EngineConfig
+from kvpilot.runtime.executor import kv_cache
 from kvpilot.runtime.executor.batch import to_tensors
 from kvpilot.runtime.executor.cpu_linear import pack_linears
-from kvpilot.runtime.executor.cuda_graphs import DecodeGraphs, model_forward
+from kvpilot.runtime.executor.cuda_graphs import DecodeGraphs, GraphsBySize, model_forward
+from kvpilot.runtime.executor.kv_cache import KVCacheLayout
 from kvpilot.runtime.executor.loader import load_model, resolve_dtype
 from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
 from kvpilot.runtime.executor.models.llama import cos_sin_cache
@@ -44,38 +45,72 @@ class ModelRunner:
         self.num_kv_heads = self.model.layers[0].num_kv_heads  # this rank's share
         self.ops = kernel_ops.select(self.device)
         self.rope = cos_sin_cache(self.model_config, config.model.max_model_len, self.device)
-        self.block_size = config.cache.block_size
+        # the layout owns the block size; its block count is known once the cache is sized
+        self.layout = KVCacheLayout(
+            block_size=config.cache.block_size, num_blocks=0, capacity_tokens=0,
+            num_layers=self.model_config.num_layers, num_kv_heads=self.num_kv_heads,
+            head_dim=self.model_config.head_dim, dtype=self.dtype, device=str(self.device),
+            head_major=self.device.type == "cuda",  # the decode kernel streams each (block, KV head) as one run
+            swap_capacity_tokens=0)
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists
-        self.num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self._host_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # swap space, made on first use
+        num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
+        self.layout = dataclasses.replace(
+            self.layout, num_blocks=num_blocks, capacity_tokens=num_blocks * self.block_size,
+            swap_capacity_tokens=int(config.cache.swap_space_gib * GiB) // self.layout.bytes_per_token)
+        # one allocation for the runner's life: a block-size change re-cuts it in place (kv_cache.py)
+        self._kv_storage = kv_cache.allocate(self.layout, self.layout.capacity_tokens)
+        self.kv_caches = kv_cache.views(self._kv_storage, self.layout)
+        self._host_storage: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # swap space, made on first use
+        self._host_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._graph_sets = GraphsBySize()
         self._generators: dict[int, torch.Generator] = {}  # seeded sequences' own random streams
         self._capture_graphs()
 
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
     def _capture_graphs(self) -> None:
-        """CUDA graphs for decode steps (cuda_graphs.py) on CUDA, unless --enforce-eager. Under
-        tensor parallelism the steps stay eager: graphs over NCCL collectives have not been run
-        here (no machine with several GPUs was lent)."""
+        """CUDA graphs for decode steps (cuda_graphs.py) on CUDA, unless --enforce-eager, for every
+        allowed block size: the cache's memory never moves, so each size's graphs are captured once
+        here and replayed after any later switch to that size. Under tensor parallelism the steps
+        stay eager: graphs over NCCL collectives have not been run here (no machine with several
+        GPUs was lent)."""
         self.graphs = None
         if self.device.type != "cuda" or self.config.device.enforce_eager or self.tp.size > 1:
             return
-        max_blocks = -(-self.config.model.max_model_len // self.block_size)
-        forward = model_forward(self.model, self.kv_caches, self.rope, self.ops.for_graphs())
-        graphs = DecodeGraphs(forward, self.config.scheduler.max_num_seqs, max_blocks, self.device)
+        for size in sorted(BLOCK_SIZES, key=lambda s: s != self.block_size):  # the live size first
+            if self.layout.with_block_size(size).num_blocks > 0:
+                self._graphs_for(size)
+        self.graphs = self._graphs_for(self.block_size)
+
+    def _graphs_for(self, block_size: int) -> DecodeGraphs | None:
+        """The decode graphs of `block_size`, captured now if they were not yet."""
+        if self.device.type != "cuda" or self.config.device.enforce_eager or self.tp.size > 1:
+            return None
+        found = self._graph_sets.get(block_size)
+        if found is not None:
+            return found
+        caches = kv_cache.views(self._kv_storage, self.layout.with_block_size(block_size))
+        forward = model_forward(self.model, caches, self.rope, self.ops.for_graphs())
+        graphs = DecodeGraphs(forward, self.config.scheduler.max_num_seqs,
+                              -(-self.config.model.max_model_len // block_size), self.device)
         with torch.inference_mode():
-            graphs.capture_all()
-        self.graphs = graphs
+            self._graph_sets.capture(block_size, graphs)
+        return graphs
 
     @property
     def num_swap_blocks(self) -> int:
         """Host blocks of the swap space (--swap-space GiB; per rank under tensor parallelism)."""
-        return int(self.config.cache.swap_space_gib * GiB) // self.bytes_per_block
+        return self.layout.num_swap_blocks
 
     @property
     def bytes_per_block(self) -> int:
-        cfg = self.model_config
-        per_token = 2 * cfg.num_layers * self.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-        return per_token * self.block_size
+        return self.layout.bytes_per_block
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -108,7 +143,8 @@ class ModelRunner:
     def _forward_probe(self, num_tokens: int) -> None:
         """One prefill of `num_tokens` tokens over a throwaway one-sequence cache."""
         blocks = -(-num_tokens // self.block_size)
-        self.kv_caches = self._allocate_kv_cache(blocks)
+        self.kv_caches = kv_cache.views(kv_cache.allocate(self.layout, blocks * self.block_size),
+                                        self.layout, num_blocks=blocks)
         probe = StepInputs(input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
                            slot_mapping=list(range(num_tokens)), block_tables=[list(range(blocks))],
                            seq_lens=[num_tokens], query_start_loc=[0, num_tokens], logits_rows=[num_tokens - 1])
@@ -116,42 +152,39 @@ class ModelRunner:
             self._run(probe)
         del self.kv_caches
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cfg = self.model_config
-        # head-major on the GPU: the decode kernel streams each (block, KV head) as one run
-        shape = dict(num_blocks=num_blocks, block_size=self.block_size, num_kv_heads=self.num_kv_heads,
-                     head_dim=cfg.head_dim, head_major=self.device.type == "cuda", dtype=self.dtype,
-                     device=self.device)
-        return [(kv_cache_empty(**shape), kv_cache_empty(**shape)) for _ in range(cfg.num_layers)]
-
-    def resize_kv_cache(self, block_size: int) -> None:
-        """Re-cut the same KV memory into blocks of `block_size` (the cache's contents are lost:
-        callers preempt every running sequence first)."""
+    def relayout(self, block_size: int, plan: kv_cache.Plan, swap_plan: kv_cache.Plan | None) -> tuple[int, int]:
+        """Re-cut the KV cache (and the swap space) into blocks of `block_size` in place, re-laying
+        the blocks `plan` (`swap_plan`) keeps (engine/relayout.py); returns the bytes written on the
+        device and in host memory. The allocation and every size's decode graphs stay."""
         if self.tp.size > 1 and self.tp.rank == 0:
-            self.tp.broadcast(("resize", block_size))
-        total_bytes = self.num_blocks * self.bytes_per_block
-        self.kv_caches = []
-        self.graphs = None  # they point into the old cache
+            self.tp.broadcast(("relayout", (block_size, plan, swap_plan)))
+        new = self.layout.with_block_size(block_size)
+        if plan.num_new_blocks != new.num_blocks or plan.old_block_size != self.block_size:
+            raise ValueError(f"the plan re-cuts {plan.old_block_size} -> {plan.num_new_blocks} blocks; this cache is "
+                             f"{self.block_size} -> {new.num_blocks}")
+        geometry = (new.num_kv_heads, new.head_dim, new.head_major)
+        with torch.inference_mode():
+            moved = kv_cache.relayout([t for kv in self._kv_storage for t in kv], plan, *geometry)
+            host_moved = 0
+            if swap_plan is not None and self._host_storage is not None:
+                host_moved = kv_cache.relayout([t for kv in self._host_storage for t in kv], swap_plan, *geometry)
+        self.layout = new
+        self.kv_caches = kv_cache.views(self._kv_storage, new)
+        if self._host_storage is not None:
+            self._host_caches = kv_cache.views(self._host_storage, new, num_blocks=new.num_swap_blocks)
+        self.graphs = self._graphs_for(block_size)
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.block_size = block_size
-        self.num_blocks = total_bytes // self.bytes_per_block
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self._host_caches = None
-        self._capture_graphs()
+            torch.cuda.synchronize(self.device)  # the pause ends when the copies have
+        return moved, host_moved
 
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy (device, host) block pairs out to the swap space, then (host, device) pairs back in."""
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast(("swap", (swap_out, swap_in)))
         if self._host_caches is None:
-            cfg = self.model_config
-            shape = (self.num_swap_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
-            pin = self.device.type == "cuda"
-            # empty, not zeros: only written blocks are ever read, and untouched host pages cost nothing
-            self._host_caches = [(torch.empty(shape, dtype=self.dtype, pin_memory=pin),
-                                  torch.empty(shape, dtype=self.dtype, pin_memory=pin))
-                                 for _ in range(cfg.num_layers)]
+            # the device cache's per-block layout, so one relayout plan re-cuts both
+            self._host_storage = kv_cache.allocate(self.layout, self.layout.swap_capacity_tokens, host=True)
+            self._host_caches = kv_cache.views(self._host_storage, self.layout, num_blocks=self.num_swap_blocks)
         with torch.inference_mode():
             _copy_blocks(swap_out, self.kv_caches, self._host_caches)
             _copy_blocks(swap_in, self._host_caches, self.kv_caches)
@@ -201,8 +234,8 @@ class ModelRunner:
             command, payload = self.tp.broadcast()
             if command == "step":
                 self._run(payload)
-            elif command == "resize":
-                self.resize_kv_cache(payload)
+            elif command == "relayout":
+                self.relayout(*payload)
             elif command == "swap":
                 self.swap_blocks(*payload)
             elif command == "stop":

@@ -41,7 +41,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "send a JSON object of tunables, e.g. {\"block_size\": 32}", code="invalid_value")
         started = time.perf_counter()
         try:
-            applied = await state.engine.call(lambda engine: engine.update_config(changes))
+            applied, relayout = await state.engine.call(lambda engine: _apply(engine, changes))
         except ValueError as e:
             message = str(e)
             head = message.partition(":")[0]
@@ -50,7 +50,9 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
         if applied:
             state.metrics.record_config_change()
         config = await state.engine.call(_live_config)
-        return {"applied": applied, "duration_s": round(duration, 6), "config": config}
+        # a block-size change re-lays the KV cache between steps: its pause, the bytes it moved
+        # and the requests it had to recompute (none unless the new cut could not hold them)
+        return {"applied": applied, "duration_s": round(duration, 6), "config": config, "relayout": relayout}
 
     @app.post("/reload")
     async def reload(request: Request) -> dict[str, Any]:
@@ -72,12 +74,15 @@ async def _json_body(request: Request) -> Any:
         raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
 
 
+def _apply(engine: LLMEngine, changes: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    applied = engine.update_config(changes)
+    report = engine.last_relayout if "block_size" in applied else None
+    return applied, report.as_dict() if report is not None else None
+
+
 def _live_config(engine: LLMEngine) -> dict[str, Any]:
-    c = engine.config
-    return {"block_size": c.cache.block_size, "preemption_mode": c.scheduler.preemption_mode,
-            "scheduler_policy": c.scheduler.policy, "max_num_seqs": c.scheduler.max_num_seqs,
-            "max_num_batched_tokens": c.scheduler.max_num_batched_tokens,
-            "max_model_len": c.model.max_model_len, "num_blocks": engine.block_manager.num_blocks}
+    return {**engine.live_config(), "max_model_len": engine.config.model.max_model_len,
+            "num_blocks": engine.block_manager.num_blocks}
 
 
 async def reload_model(state: ServerState, model_path: str, served_model_name: str | None) -> dict[str, Any]:

@@ -95,10 +95,25 @@ def test_live_block_size_change_on_cuda_keeps_output(models) -> None:
     graphs_before = llm.engine.runner.graphs
     llm.engine.update_config({"block_size": 32})
     graphs = llm.engine.runner.graphs
-    assert graphs is not None and graphs is not graphs_before  # recaptured over the new cache
+    assert graphs is not None and graphs is not graphs_before  # each size has its own graphs
     assert graphs.block_tables.shape[1] == 256 // 32
     assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)] == expected
     assert graphs.replays > 0
+    # switches mid-generation re-lay the head-major cache in place: no sequence is recomputed
+    engine = llm.engine
+    for i, p in enumerate(batch):
+        engine.add_request(str(i), p, params)
+    done: dict[str, list[int]] = {}
+    for step in range(100):
+        if step in (3, 6, 9, 12):
+            size = {3: 8, 6: 64, 9: 32, 12: 16}[step]
+            engine.update_config({"block_size": size})
+            assert engine.last_relayout is not None and engine.last_relayout.preempted == []
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        if not engine.has_unfinished_requests():
+            break
+    assert [done[str(i)] for i in range(len(batch))] == expected
+    assert engine.runner.graphs is graphs_before  # captured once at start, reused after the switches
     assert_all_blocks_free(llm)
 
 

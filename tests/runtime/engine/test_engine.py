@@ -125,6 +125,8 @@ def test_block_size_change_mid_generation_keeps_outputs(tiny_models) -> None:
             applied = engine.update_config({"block_size": 8, "max_num_seqs": 2, "scheduler_policy": "fcfs"})
             assert applied == {"block_size": {"old": 16, "new": 8}, "max_num_seqs": {"old": 256, "new": 2}}
             assert engine.block_manager.block_size == 8
+            report = engine.last_relayout  # every running sequence kept its KV: nothing recomputed
+            assert report is not None and report.preempted == [] and report.num_running_kept == 3
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids

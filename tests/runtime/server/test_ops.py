@@ -183,13 +183,18 @@ def test_live_block_size_change_keeps_a_running_request(server: RunningServer, c
         assert applied["applied"]["max_num_seqs"] == {"old": 2, "new": 3}
         assert "scheduler_policy" not in applied["applied"]  # unchanged
         assert applied["duration_s"] >= 0 and applied["config"]["block_size"] == 32
+        relayout = applied["relayout"]  # the running request's KV was re-laid, not recomputed
+        assert (relayout["old_block_size"], relayout["new_block_size"], relayout["num_blocks"]) == (16, 32, applied["config"]["num_blocks"])
+        assert relayout["num_running_kept"] == 1 and relayout["preempted"] == [] and relayout["pause_ms"] >= 0
         chunks += [line for line in lines if line.startswith("data:")]
     text = "".join(json.loads(c[5:])["choices"][0]["text"] for c in chunks if c != "data: [DONE]"
                    and json.loads(c[5:])["choices"])
     assert text == expected
     after = _metrics(server)
     assert after["kvpilot_block_size"] == 32 and after["kvpilot_config_changes_total"] == before + 1
-    assert _admin(server, "POST", {"block_size": 16, "max_num_seqs": 2}).status_code == 200
+    back = _admin(server, "POST", {"block_size": 16, "max_num_seqs": 2})
+    assert back.status_code == 200 and back.json()["relayout"]["new_block_size"] == 16
+    assert _admin(server, "POST", {"max_num_seqs": 2}).json()["relayout"] is None  # no block-size change
 
 
 def _reload(server: RunningServer, body: dict[str, Any]) -> httpx.Response:

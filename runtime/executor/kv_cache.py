@@ -1,0 +1,158 @@
+"""The KV cache's memory and its layout: the one owner of the block size.
+
+Each layer's K and V caches are one flat allocation of `capacity_tokens` token slots, made once
+when the runner starts and never freed while it runs. A block size is a way to cut it: blocks of
+`block_size` slots, `capacity_tokens // block_size` of them, block b the contiguous run of memory
+[b, b + 1) * block_size slots. Within a block the slots are token-major (block_size, num_kv_heads,
+head_dim) or, on the GPU, head-major (num_kv_heads, block_size, head_dim: kernels/reference.py's
+`kv_cache_empty`); either way the kernels see the contract's (num_blocks, block_size,
+num_kv_heads, head_dim) view.
+
+`KVCacheLayout` is what the runner reports when it builds or re-cuts the cache; the engine sizes
+its block manager and swap space from it. `relayout` carries out a `RelayoutPlan`
+(engine/relayout.py) on flat cache tensors of one layout — the device cache and the host swap
+space alike — in batches whose temporary memory the plan bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvpilot.runtime.config import BLOCK_SIZES
+
+# Temporary memory one relayout batch may use per cache tensor (one layer's K or V): the plan's
+# max_batch is derived from it, so a switch needs this much headroom on the device, not a second cache.
+RELAYOUT_TEMP_BYTES = 64 << 20
+
+
+class Plan(Protocol):  # engine.relayout.RelayoutPlan, by shape (the executor does not import the engine)
+    old_block_size: int
+    new_block_size: int
+    num_old_blocks: int
+    num_new_blocks: int
+    batches: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Where the KV cache lives and how it is cut into blocks right now."""
+
+    block_size: int
+    num_blocks: int
+    capacity_tokens: int  # slots of the allocation, fixed for the runner's life
+    num_layers: int
+    num_kv_heads: int  # this rank's share under tensor parallelism
+    head_dim: int
+    dtype: torch.dtype
+    device: str
+    head_major: bool
+    swap_capacity_tokens: int  # slots of the host swap space (same per-block layout)
+
+    def __post_init__(self) -> None:
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size: must be one of {', '.join(map(str, BLOCK_SIZES))}, not {self.block_size}")
+        if self.num_blocks != self.capacity_tokens // self.block_size:
+            raise ValueError(f"num_blocks {self.num_blocks} does not cut {self.capacity_tokens} slots into blocks of {self.block_size}")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def num_swap_blocks(self) -> int:
+        return self.swap_capacity_tokens // self.block_size
+
+    def with_block_size(self, block_size: int) -> KVCacheLayout:
+        return dataclasses.replace(self, block_size=block_size, num_blocks=self.capacity_tokens // block_size)
+
+
+def allocate(layout: KVCacheLayout, num_tokens: int, *, host: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Flat K and V storage of `num_tokens` slots for every layer: zeroed on the layout's device, or
+    the host swap space (pinned when the device is a GPU; uninitialised: only written blocks are
+    ever read, and untouched host pages cost nothing)."""
+    n = num_tokens * layout.num_kv_heads * layout.head_dim
+    if host:
+        pin = torch.device(layout.device).type == "cuda"
+        return [(torch.empty(n, dtype=layout.dtype, pin_memory=pin), torch.empty(n, dtype=layout.dtype, pin_memory=pin))
+                for _ in range(layout.num_layers)]
+    return [(torch.zeros(n, dtype=layout.dtype, device=layout.device),
+             torch.zeros(n, dtype=layout.dtype, device=layout.device)) for _ in range(layout.num_layers)]
+
+
+def block_view(flat: torch.Tensor, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+               head_major: bool) -> torch.Tensor:
+    """The (num_blocks, block_size, num_kv_heads, head_dim) view of the first num_blocks blocks."""
+    used = flat[:num_blocks * block_size * num_kv_heads * head_dim]
+    if head_major:
+        return used.view(num_blocks, num_kv_heads, block_size, head_dim).transpose(1, 2)
+    return used.view(num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def views(flats: list[tuple[torch.Tensor, torch.Tensor]], layout: KVCacheLayout, num_blocks: int | None = None,
+          head_major: bool | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) block views under `layout`'s block size."""
+    n = layout.num_blocks if num_blocks is None else num_blocks
+    hm = layout.head_major if head_major is None else head_major
+    return [tuple(block_view(t, n, layout.block_size, layout.num_kv_heads, layout.head_dim, hm) for t in kv)  # type: ignore[misc]
+            for kv in flats]
+
+
+def max_batch(layout: KVCacheLayout, old_block_size: int, new_block_size: int) -> int:
+    """Writes per relayout batch within RELAYOUT_TEMP_BYTES per tensor (a write is one block of the
+    larger size; head-major batches hold two copies of it: gathered and permuted)."""
+    per_write = max(old_block_size, new_block_size) * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
+    return max(1, RELAYOUT_TEMP_BYTES // (2 * per_write))
+
+
+def relayout(flats: list[torch.Tensor], plan: Plan, num_kv_heads: int, head_dim: int, head_major: bool) -> int:
+    """Re-lay the blocks of `flats` (flat cache tensors cut by `plan.old_block_size`) as `plan` says,
+    in place; returns the bytes written. Token-major blocks split by re-viewing alone; everything
+    else goes through one gather (into temporary memory) and one scatter per batch and tensor."""
+    old, new = plan.old_block_size, plan.new_block_size
+    if old == new or not flats:
+        return 0
+    split = new < old
+    k = old // new if split else new // old
+    unit = old * num_kv_heads * head_dim  # elements of one old block
+    moved = 0
+    for batch in plan.batches:
+        if split:
+            if not head_major:
+                continue  # token-major: sub-blocks of a block are already its consecutive runs
+            rows = [r for r, _ in batch]
+            index = torch.tensor(rows, dtype=torch.long, device=flats[0].device)
+            for flat in flats:
+                units = flat[:plan.num_old_blocks * unit].view(plan.num_old_blocks, unit)
+                part = units.index_select(0, index).view(len(rows), num_kv_heads, k, new, head_dim)
+                units.index_copy_(0, index, part.transpose(1, 2).reshape(len(rows), unit))
+                moved += part.numel() * part.element_size()
+            continue
+        writes = [(r, g) for r, g in batch
+                  if head_major or any(b != k * r + i for i, b in enumerate(g))]  # token-major: in place already
+        if not writes:
+            continue
+        dst = torch.tensor([r for r, _ in writes], dtype=torch.long, device=flats[0].device)
+        # an unused tail of a group reads the target's own memory: any valid block will do
+        src = torch.tensor([[g[i] if i < len(g) else k * r + i for i in range(k)] for r, g in writes],
+                           dtype=torch.long, device=flats[0].device).view(-1)
+        copied = sum(len(g) for _, g in writes)
+        for flat in flats:
+            units = flat[:plan.num_old_blocks * unit].view(plan.num_old_blocks, unit)
+            regions = flat[:plan.num_new_blocks * k * unit].view(plan.num_new_blocks, k * unit)
+            part = units.index_select(0, src)
+            if head_major:  # (k, heads, old, dim) -> (heads, k * old, dim)
+                part = part.view(len(writes), k, num_kv_heads, old, head_dim).transpose(1, 2).reshape(len(writes), k * unit)
+            else:
+                part = part.view(len(writes), k * unit)
+            regions.index_copy_(0, dst, part)
+            moved += copied * unit * flat.element_size()
+    return moved
