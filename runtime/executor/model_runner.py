@@ -28,6 +28,7 @@ from kvpilot.runtime.executor.loader import load_model, resolve_dtype
 from kvpilot.runtime.executor.models.llama import AttentionMetadata, cos_sin_cache
 from kvpilot.runtime.executor.parallel import TPInfo
 from kvpilot.runtime.executor.sampler import SampleResult, SamplingRow, sample
+from kvpilot.runtime.executor.swap import MAX_STAGING_BYTES, SwapSpace, SwapStats
 from kvpilot.runtime.engine.scheduler import ScheduledSeq
 
 logger = logging.getLogger(__name__)
@@ -63,9 +64,10 @@ class ModelRunner:
         self.rope = cos_sin_cache(self.model_config, config.model.max_model_len, self.device)
         self.block_size = config.cache.block_size
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists
+        self.swap_space: SwapSpace | None = None  # made once the KV cache exists
         self.num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self._host_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # swap space, made on first use
+        self.swap_space = SwapSpace(self.kv_caches, self._swap_bytes)
         self._capture_graphs()
 
     def _capture_graphs(self) -> None:
@@ -83,9 +85,13 @@ class ModelRunner:
         self.graphs = graphs
 
     @property
+    def _swap_bytes(self) -> int:
+        """Host memory of the swap space (--swap-space GiB; per rank under tensor parallelism)."""
+        return int(self.config.cache.swap_space_gib * GiB)
+
+    @property
     def num_swap_blocks(self) -> int:
-        """Host blocks of the swap space (--swap-space GiB; per rank under tensor parallelism)."""
-        return int(self.config.cache.swap_space_gib * GiB) // self.bytes_per_block
+        return self._swap_bytes // self.bytes_per_block
 
     @property
     def bytes_per_block(self) -> int:
@@ -118,7 +124,8 @@ class ModelRunner:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         _, total = torch.cuda.mem_get_info()
-        budget = int(total * self.config.cache.gpu_memory_utilization) - peak
+        staging = min(self._swap_bytes, MAX_STAGING_BYTES)  # the swap space's device buffer
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - staging
         return max(0, budget // self.bytes_per_block)
 
     def _forward_probe(self, num_tokens: int) -> None:
@@ -146,6 +153,8 @@ class ModelRunner:
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast(("resize", block_size))
         total_bytes = self.num_blocks * self.bytes_per_block
+        if self.swap_space is not None:
+            self.swap_space.synchronize()  # copies in flight still read the old cache
         self.kv_caches = []
         self.graphs = None  # they point into the old cache
         if self.device.type == "cuda":
@@ -153,24 +162,23 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = total_bytes // self.bytes_per_block
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self._host_caches = None
+        if self.swap_space is not None:
+            self.swap_space.bind(self.kv_caches)
         self._capture_graphs()
 
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Copy (device, host) block pairs out to the swap space, then (host, device) pairs back in."""
-        if self.tp.size > 1 and self.tp.rank == 0:
+        """Issue this step's copies of (device, host) block pairs out to the swap space and (host,
+        device) pairs back in (swap.py: they overlap the forward pass). Call once every step, before
+        `execute`, even with no pairs: the swap space counts steps by these calls."""
+        assert self.swap_space is not None
+        if self.tp.size > 1 and self.tp.rank == 0 and (swap_out or swap_in or self.swap_space.has_unmarked_swap_in):
             self.tp.broadcast(("swap", (swap_out, swap_in)))
-        if self._host_caches is None:
-            cfg = self.model_config
-            shape = (self.num_swap_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
-            pin = self.device.type == "cuda"
-            # empty, not zeros: only written blocks are ever read, and untouched host pages cost nothing
-            self._host_caches = [(torch.empty(shape, dtype=self.dtype, pin_memory=pin),
-                                  torch.empty(shape, dtype=self.dtype, pin_memory=pin))
-                                 for _ in range(cfg.num_layers)]
-        with torch.inference_mode():
-            _copy_blocks(swap_out, self.kv_caches, self._host_caches)
-            _copy_blocks(swap_in, self._host_caches, self.kv_caches)
+        self.swap_space.swap(swap_out, swap_in)
+
+    def take_swap_stats(self) -> SwapStats:
+        """Blocks moved and seconds the copies took since the last call (this rank's)."""
+        assert self.swap_space is not None
+        return self.swap_space.take_stats()
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
         bs = self.block_size
@@ -193,6 +201,8 @@ class ModelRunner:
     def _run(self, inputs: StepInputs) -> torch.Tensor | None:
         """Forward pass on this rank; logits (num_logits_rows, vocab) or None when nothing samples."""
         dev = self.device
+        if self.swap_space is not None:
+            self.swap_space.before_forward()  # blocks swapped in by earlier steps are resident
         max_query_len = max(b - a for a, b in itertools.pairwise(inputs.query_start_loc))
         hidden = None
         if self.graphs is not None and max_query_len == 1 and len(inputs.input_ids) == len(inputs.seq_lens):
@@ -244,14 +254,3 @@ class ModelRunner:
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast(("stop", None))
 
-
-def _copy_blocks(pairs: list[tuple[int, int]], sources: list[tuple[torch.Tensor, torch.Tensor]],
-                 targets: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy blocks (source id, target id) from each layer's K and V caches to the matching targets."""
-    if not pairs:
-        return
-    src_ids = torch.tensor([s for s, _ in pairs], device=sources[0][0].device)
-    dst_ids = torch.tensor([t for _, t in pairs], device=targets[0][0].device)
-    for source_kv, target_kv in zip(sources, targets, strict=True):
-        for source, target in zip(source_kv, target_kv, strict=True):
-            target.index_copy_(0, dst_ids, source.index_select(0, src_ids).to(target.device))
