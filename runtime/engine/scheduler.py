@@ -17,10 +17,11 @@ space is full. The mode is read at each preemption, so it can change live.
 The copies are listed in the step's output (`swap_out` before `swap_in`); the model runner issues
 them before the step's forward pass and they overlap it (executor/swap.py). A sequence swapped in
 therefore runs from the next step on, not in the step that copies it in. It is swapped in only when
-the free blocks left afterwards cover the *headroom*: the blocks the running sequences need for
-their next `block_size` tokens. Without it a swap-in takes the last free blocks, the next
-sequence to cross a block boundary preempts it again a step or two later, and swap thrashes
-(host-device traffic on every cycle) where recompute would have waited.
+the free blocks left afterwards cover the *headroom*: the blocks the running sequences, it
+included, need for their next `SWAP_IN_HORIZON` tokens (at least a block). Without it a swap-in
+takes the last free blocks, the next sequence to cross a block boundary preempts it again a step
+or two later, and swap thrashes (a copy out and back per cycle) where recompute would have waited
+(`tests/runtime/engine/test_swap_scheduling.py` replays such a workload without a model).
 
 Policies: `fcfs` admits in arrival order and preempts the newest running sequence. `priority`
 (vLLM's) orders the waiting and swapped queues by (request priority, arrival), lower first, and
@@ -41,6 +42,10 @@ from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.config import SchedulerConfig
 from kvpilot.runtime.engine.host_blocks import HostBlockPool
 from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
+
+
+# Decode steps of growth a swap-in leaves room for, for every running sequence (see above).
+SWAP_IN_HORIZON = 64
 
 
 @dataclass
@@ -153,12 +158,13 @@ class Scheduler:
         """Bring swapped sequences back into fresh device blocks, oldest first, while the headroom
         stays free. They run from the next step, once their copies have landed."""
         bm = self.block_manager
-        headroom = sum(bm.num_new_blocks(s, s.num_uncomputed_tokens + bm.block_size) for s in self.running)
+        horizon = max(SWAP_IN_HORIZON, bm.block_size)
+        headroom = sum(bm.num_new_blocks(s, s.num_uncomputed_tokens + horizon) for s in self.running)
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
             needed = len(seq.swap_table)
             # with its own headroom (never more than a sequence can hold, so one always fits alone)
-            total = max(needed, bm.num_blocks_for(min(seq.num_tokens + bm.block_size, self.config.max_model_len)))
+            total = max(needed, bm.num_blocks_for(min(seq.num_tokens + horizon, self.config.max_model_len)))
             if total + headroom > bm.num_free_blocks:
                 break
             self.swapped.popleft()
