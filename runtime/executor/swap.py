@@ -155,23 +155,33 @@ class SwapSpace:
 
     def _swap_out(self, pairs: list[tuple[int, int]], compute: torch.cuda.Stream | None) -> None:
         for chunk in self._chunks(pairs):
-            n = len(chunk)
-            ids = self._index([d for d, _ in chunk])
-            for i, cache in enumerate(self._caches):  # (num_blocks, block_numel) each
-                torch.index_select(cache, 0, ids, out=self.staging[:n, i // 2, i % 2])
+            self._gather(chunk)
             if compute is not None and self._stream is not None:  # the step may now reuse these blocks
                 compute.wait_event(self._stream.record_event())
-            for pos, first, length in _runs([h for _, h in chunk]):
-                self.host[first:first + length].copy_(self.staging[pos:pos + length], non_blocking=True)
+            self._store(chunk)
 
     def _swap_in(self, pairs: list[tuple[int, int]]) -> None:
         for chunk in self._chunks(pairs):
-            n = len(chunk)
-            for pos, first, length in _runs([h for h, _ in chunk]):
-                self.staging[pos:pos + length].copy_(self.host[first:first + length], non_blocking=True)
-            ids = self._index([d for _, d in chunk])
-            for i, cache in enumerate(self._caches):
-                cache.index_copy_(0, ids, self.staging[:n, i // 2, i % 2])
+            self._load(chunk)
+
+    def _gather(self, chunk: list[tuple[int, int]]) -> None:
+        """Device blocks of (device, host) pairs into staging rows 0.., every layer's K and V."""
+        ids = self._index([d for d, _ in chunk])
+        for i, cache in enumerate(self._caches):  # (num_blocks, block_numel) each
+            torch.index_select(cache, 0, ids, out=self.staging[:len(chunk), i // 2, i % 2])
+
+    def _store(self, chunk: list[tuple[int, int]]) -> None:
+        """Staging rows to their host blocks: one copy per run of consecutive host ids."""
+        for pos, first, length in _runs([h for _, h in chunk]):
+            self.host[first:first + length].copy_(self.staging[pos:pos + length], non_blocking=True)
+
+    def _load(self, chunk: list[tuple[int, int]]) -> None:
+        """Host blocks of (host, device) pairs through staging into their device blocks."""
+        for pos, first, length in _runs([h for h, _ in chunk]):
+            self.staging[pos:pos + length].copy_(self.host[first:first + length], non_blocking=True)
+        ids = self._index([d for _, d in chunk])
+        for i, cache in enumerate(self._caches):
+            cache.index_copy_(0, ids, self.staging[:len(chunk), i // 2, i % 2])
 
     def _chunks(self, pairs: list[tuple[int, int]]) -> Iterator[list[tuple[int, int]]]:
         for start in range(0, len(pairs), self.num_staging_blocks):
