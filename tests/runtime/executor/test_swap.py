@@ -50,7 +50,7 @@ def test_blocks_round_trip_bit_identical_into_other_device_blocks(head_major: bo
     space.swap([], back)
     space.before_forward()
     for (k, v), (k0, v0) in zip(caches, before, strict=True):
-        for (dev_out, host), (_, dev_in) in zip(out, back, strict=True):
+        for (dev_out, _), (_, dev_in) in zip(out, back, strict=True):
             assert torch.equal(k[dev_in], k0[dev_out]) and torch.equal(v[dev_in], v0[dev_out])
     stats = space.take_stats()
     assert (stats.num_blocks_out, stats.num_blocks_in) == (5, 5)
@@ -190,3 +190,51 @@ def test_copies_in_flight_during_the_next_step_leave_every_sequence_kv_bit_ident
     assert outs == expected
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and sched.swap_pool.num_free_blocks == sched.num_swap_blocks
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+def test_on_cuda_bf16_blocks_round_trip_through_pinned_memory_on_the_side_stream() -> None:
+    def cache() -> torch.Tensor:
+        c = kv_cache_empty(64, 16, NUM_KV_HEADS, HEAD_DIM, head_major=True, dtype=torch.bfloat16, device="cuda")
+        c.copy_(torch.randn(c.shape, device="cuda"))
+        return c
+    caches = [(cache(), cache()) for _ in range(NUM_LAYERS)]
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    per_block = block_bytes(16) // 2  # bf16
+    space = SwapSpace(caches, swap_bytes=40 * per_block, staging_bytes=8 * per_block)
+    assert space.host.is_pinned()
+    device_out = random.Random(0).sample(range(64), 20)
+    space.swap(list(zip(device_out, range(20), strict=True)), [])
+    for k, v in caches:  # the compute stream reuses the blocks right away: it waited for the gathers only
+        k.zero_()
+        v.zero_()
+    device_in = list(range(40, 60))
+    space.swap([], list(zip(range(20), device_in, strict=True)))
+    space.swap([], [])  # the next step
+    space.before_forward()
+    for (k, v), (k0, v0) in zip(caches, before, strict=True):
+        assert torch.equal(k[device_in], k0[device_out]) and torch.equal(v[device_in], v0[device_out])
+    torch.cuda.synchronize()
+    stats = space.take_stats()
+    assert stats.num_blocks_out == stats.num_blocks_in == 20 and stats.seconds_out > 0 and stats.seconds_in > 0
+
+
+@pytest.mark.gpu
+@cuda
+def test_on_cuda_copies_overlapping_the_steps_leave_every_sequence_kv_bit_identical() -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (40, 70, 25, 90, 55, 33)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    kw = dict(load_format="dummy", device="cuda", dtype="float32", max_model_len=256, block_size=8,
+              max_num_batched_tokens=64)
+    llm = LLM("tiny-llama", num_gpu_blocks_override=32, preemption_mode="swap", swap_space=0.01, **kw)
+    outs = run_tracking_kv(llm, prompts, params)
+    sched = llm.engine.scheduler
+    assert sched.num_preemptions > 0 and sched.num_swapped_out == sched.num_preemptions
+    roomy = LLM("tiny-llama", **kw)
+    expected = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert outs == expected
