@@ -9,17 +9,17 @@ Part 1 (always): for each block size and context length, what preempting one seq
   The pinned host<->device copy rate is measured in the same run (one large contiguous copy each
   way); `of_copy_rate` is the fraction of it a swap-out plus swap-in reaches. The crossover is the
   shortest context from which swap costs less than recompute.
-Part 2 (--served): the swap issue's workload offline on one `LLMEngine` per block size: requests
+Part 2 (--parts served): the swap issue's workload offline on `LLMEngine`: requests
   of --input-len random prompt tokens and --output-len output tokens (ignore_eos) arriving as a
   Poisson stream at --request-rate, over a KV budget of --kv-tokens tokens and --swap-space GiB of
-  swap, once per preemption mode: served req/s, output tok/s, TTFT and E2E percentiles,
+  swap, per block size and preemption mode: served req/s, output tok/s, TTFT and E2E percentiles,
   preemptions, swap traffic.
 
 GPU (the issue's setting): PYTHONSAFEPATH=1 python3 benchmarks/bench_swap.py --output swap.json
-    [--served] [--served-block-sizes 16 8]
+    [--parts per-sequence served] [--served-block-sizes 16 8]
 CPU smoke run (a tiny model): python benchmarks/bench_swap.py --model tiny-llama --device cpu
-    --contexts 32 64 --block-sizes 8 16 --reps 1 --served --num-prompts 6 --input-len 48
-    --output-len 8 --kv-tokens 256 --max-model-len 128 --copy-mib 8 --output smoke.json
+    --contexts 32 64 --block-sizes 8 16 --reps 1 --parts per-sequence served --num-prompts 6
+    --input-len 24 --output-len 32 --kv-tokens 128 --max-model-len 64 --swap-space 0.01 --copy-mib 8
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the copy that measures the host link")
-    p.add_argument("--served", action="store_true", help="also run the served workload (part 2)")
+    p.add_argument("--parts", nargs="+", choices=["per-sequence", "served"], default=["per-sequence"],
+                   help="what to run: the cost per preempted sequence (part 1), the served workload (part 2)")
     p.add_argument("--served-block-sizes", type=int, nargs="+", default=[16])
     p.add_argument("--num-prompts", type=int, default=240)
     p.add_argument("--input-len", type=int, default=1024)
@@ -71,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--contexts: each must be in [1, --max-model-len) = [1, {args.max_model_len})")
     if args.kv_tokens < args.max_model_len:
         p.error(f"--kv-tokens ({args.kv_tokens}) must hold one sequence of --max-model-len ({args.max_model_len})")
-    if args.served and args.input_len + args.output_len > args.max_model_len:
+    if "served" in args.parts and args.input_len + args.output_len > args.max_model_len:
         p.error("--input-len + --output-len must not exceed --max-model-len")
     for flag in ("reps", "num_prompts", "input_len", "output_len", "copy_mib"):
         if getattr(args, flag) <= 0:
@@ -81,11 +82,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_llm(args: argparse.Namespace, block_size: int, mode: str = "swap") -> LLM:
+def make_llm(args: argparse.Namespace) -> LLM:
+    """One engine for every configuration: a block-size change re-cuts the same KV budget (in
+    tokens) and the same swap space, and the preemption mode is read at each preemption."""
+    block_size = (args.block_sizes if "per-sequence" in args.parts else args.served_block_sizes)[0]
     return LLM(args.model, load_format="dummy" if not Path(args.model).exists() else "auto", device=args.device,
                dtype=args.dtype, block_size=block_size, num_gpu_blocks_override=args.kv_tokens // block_size,
-               swap_space=args.swap_space, max_model_len=args.max_model_len, preemption_mode=mode,
+               swap_space=args.swap_space, max_model_len=args.max_model_len, preemption_mode="swap",
                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+
+
+def use_block_size(llm: LLM, block_size: int) -> None:
+    if llm.engine.config.cache.block_size != block_size:
+        llm.engine.update_config({"block_size": block_size})
 
 
 def synchronize(device: torch.device) -> None:
@@ -111,11 +120,11 @@ def copy_rates(device: torch.device, num_bytes: int, reps: int) -> dict[str, flo
     return rates
 
 
-def per_sequence(args: argparse.Namespace, rates: dict[str, float]) -> list[dict[str, object]]:
+def per_sequence(args: argparse.Namespace, llm: LLM, rates: dict[str, float]) -> list[dict[str, object]]:
     rng = random.Random(args.seed)
     rows: list[dict[str, object]] = []
     for block_size in args.block_sizes:
-        llm = make_llm(args, block_size)
+        use_block_size(llm, block_size)
         runner = llm.engine.runner
         space = runner.swap_space
         assert space is not None
@@ -163,9 +172,6 @@ def per_sequence(args: argparse.Namespace, rates: dict[str, float]) -> list[dict
                    "swap_wins": swap_s < recompute_s}
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del llm, runner, space
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     return rows
 
 
@@ -187,10 +193,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def served(args: argparse.Namespace) -> list[dict[str, object]]:
+def served(args: argparse.Namespace, llm: LLM) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for block_size in args.served_block_sizes:
-        llm = make_llm(args, block_size)
+        use_block_size(llm, block_size)
         engine = llm.engine
         vocab = engine.runner.model_config.vocab_size
         warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -200,9 +206,6 @@ def served(args: argparse.Namespace) -> list[dict[str, object]]:
             rows.append(served_run(args, llm, vocab, f"{mode}-{block_size}"))
             rows[-1] = {"block_size": block_size, "mode": mode, **rows[-1]}
             print(json.dumps(rows[-1]), flush=True)
-        del llm, engine
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     return rows
 
 
@@ -265,16 +268,21 @@ def main(argv: list[str] | None = None) -> None:
             "model": args.model, "kv_tokens": args.kv_tokens, "swap_space_gib": args.swap_space,
             "h2d_GBps": rates["h2d"] / 1e9, "d2h_GBps": rates["d2h"] / 1e9}
     print(json.dumps(head), flush=True)
-    rows = per_sequence(args, rates)
-    result: dict[str, object] = {**head, "per_sequence": rows, "crossover_context": crossovers(rows)}
-    if args.served:
-        result["served"] = served(args)
+    started = time.perf_counter()
+    llm = make_llm(args)
+    result: dict[str, object] = {**head, "engine_start_s": time.perf_counter() - started}
+    print(json.dumps({"engine_start_s": result["engine_start_s"]}), flush=True)
     print(f"\nhost link (pinned, {args.copy_mib} MiB): H2D {head['h2d_GBps']:.1f} GB/s, D2H {head['d2h_GBps']:.1f} GB/s")
-    print(table(rows, ["block_size", "context", "swap_ms", "swap_device_ms", "swap_GBps", "of_copy_rate",
-                       "recompute_ms", "swap_us_per_token", "recompute_us_per_token", "swap_wins"]))
-    print("crossover (shortest context from which swap wins):",
-          ", ".join(f"block {b}: {c if c is not None else 'never'}" for b, c in result["crossover_context"].items()))  # type: ignore[attr-defined]
-    if args.served:
+    if "per-sequence" in args.parts:
+        rows = per_sequence(args, llm, rates)
+        crossover = crossovers(rows)
+        result.update(per_sequence=rows, crossover_context=crossover)
+        print(table(rows, ["block_size", "context", "swap_ms", "swap_device_ms", "swap_GBps", "of_copy_rate",
+                           "recompute_ms", "swap_us_per_token", "recompute_us_per_token", "swap_wins"]))
+        print("crossover (shortest context from which swap wins):",
+              ", ".join(f"block {b}: {c if c is not None else 'never'}" for b, c in crossover.items()))
+    if "served" in args.parts:
+        result["served"] = served(args, llm)
         print(table(result["served"], ["block_size", "mode", "served_req_s", "output_tok_s", "ttft_p50_s",  # type: ignore[arg-type]
                                        "ttft_p99_s", "e2e_p99_s", "preemptions", "swapped_out", "swap_GB", "swap_seconds"]))
     if args.output:

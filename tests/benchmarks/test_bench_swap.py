@@ -29,7 +29,7 @@ def test_smoke_run_writes_every_row_and_both_modes(bench: ModuleType, tmp_path: 
     out = tmp_path / "swap.json"
     bench.main(["--model", "tiny-llama", "--device", "cpu", "--contexts", "24", "40", "--block-sizes", "8", "16",
                 "--reps", "1", "--kv-tokens", "128", "--max-model-len", "64", "--swap-space", "0.01",
-                "--copy-mib", "1", "--served", "--num-prompts", "5", "--input-len", "24", "--output-len", "32",
+                "--copy-mib", "1", "--parts", "per-sequence", "served", "--num-prompts", "5", "--input-len", "24", "--output-len", "32",
                 "--request-rate", "50", "--output", str(out)])
     result = json.loads(out.read_text())
     rows = result["per_sequence"]
