@@ -30,12 +30,14 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.config import BLOCK_SIZES
+from kvpilot.runtime.engine.sequence import Request
 
 MiB = 1 << 20
 
@@ -54,8 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the copy that measures the host link")
-    p.add_argument("--parts", nargs="+", choices=["per-sequence", "served"], default=["per-sequence"],
-                   help="what to run: the cost per preempted sequence (part 1), the served workload (part 2)")
+    p.add_argument("--parts", nargs="+", choices=["per-sequence", "overlap", "served"],
+                   default=["per-sequence", "overlap"],
+                   help="what to run: the cost per preempted sequence, the overlap with decode steps, the served workload")
+    p.add_argument("--overlap-batch", type=int, default=16, help="decoding sequences during the overlap part")
+    p.add_argument("--overlap-context", type=int, default=2048,
+                   help="tokens of the sequence swapped out and back in during every decode step")
+    p.add_argument("--overlap-steps", type=int, default=20)
     p.add_argument("--served-block-sizes", type=int, nargs="+", default=[16])
     p.add_argument("--num-prompts", type=int, default=240)
     p.add_argument("--input-len", type=int, default=1024)
@@ -74,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--kv-tokens ({args.kv_tokens}) must hold one sequence of --max-model-len ({args.max_model_len})")
     if "served" in args.parts and args.input_len + args.output_len > args.max_model_len:
         p.error("--input-len + --output-len must not exceed --max-model-len")
-    for flag in ("reps", "num_prompts", "input_len", "output_len", "copy_mib"):
+    for flag in ("reps", "num_prompts", "input_len", "output_len", "copy_mib", "overlap_batch", "overlap_context",
+                 "overlap_steps"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.request_rate <= 0 or args.swap_space <= 0:
@@ -173,6 +181,69 @@ def per_sequence(args: argparse.Namespace, llm: LLM, rates: dict[str, float]) ->
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+def overlap(args: argparse.Namespace, llm: LLM) -> list[dict[str, object]]:
+    """Decode steps of --overlap-batch sequences, alone and while every step also swaps a sequence
+    of --overlap-context tokens out and back in (through the engine's own per-step call, so the
+    forward pass waits only for what it must: the swap-out's gather and the earlier step's
+    swap-in). Fully hidden copies leave the step at max(step, copies); serial ones at their sum."""
+    engine, runner = llm.engine, llm.engine.runner
+    rng = random.Random(args.seed)
+    vocab = runner.model_config.vocab_size
+    rows: list[dict[str, object]] = []
+    for block_size in args.block_sizes:
+        use_block_size(llm, block_size)
+        bm = engine.block_manager
+        num_blocks = -(-args.overlap_context // block_size)
+        holder = Request("overlap-holder", None, [0], SamplingParams(), arrival_time=0.0).seqs[0]
+        holder.block_table = bm.allocate(num_blocks)  # blocks no sequence of the batch can take
+        pairs = list(zip(holder.block_table, range(num_blocks), strict=True))
+        inner = runner.swap_blocks
+        prompt_len = min(256, args.max_model_len // 2)
+        params = SamplingParams(temperature=0, max_tokens=min(4 * args.overlap_steps + 8, args.max_model_len - prompt_len - 1),
+                                ignore_eos=True)
+        for i in range(args.overlap_batch):
+            engine.add_request(f"overlap-{block_size}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)], params)
+        while engine.last_step is None or engine.last_step.num_generation_tokens < args.overlap_batch \
+                or engine.last_step.num_prompt_tokens:
+            engine.step()  # until every sequence decodes
+        times: dict[str, list[float]] = {"alone": [], "with_swap": []}
+        for mode in ("alone", "with_swap", "alone", "with_swap"):  # interleaved
+            runner.swap_blocks = with_pairs(inner, pairs) if mode == "with_swap" else inner  # type: ignore[method-assign]
+            for _ in range(args.overlap_steps // 2):
+                synchronize(runner.device)
+                start = time.perf_counter()
+                engine.step()
+                synchronize(runner.device)
+                times[mode].append(time.perf_counter() - start)
+        runner.swap_blocks = inner  # type: ignore[method-assign]
+        runner.take_swap_stats()
+        swap_alone = []
+        for _ in range(args.reps):
+            synchronize(runner.device)
+            start = time.perf_counter()
+            runner.swap_space.swap(pairs, pairs)  # type: ignore[union-attr]
+            runner.swap_space.synchronize()  # type: ignore[union-attr]
+            swap_alone.append(time.perf_counter() - start)
+        runner.swap_space.swap([], [])  # type: ignore[union-attr]
+        for request_id in list(engine.requests):
+            engine.abort_request(request_id)
+        bm.free(holder)
+        step, with_swap, copies = (statistics.median(times["alone"]), statistics.median(times["with_swap"]),
+                                   statistics.median(swap_alone))
+        row = {"block_size": block_size, "batch": args.overlap_batch, "context_swapped": args.overlap_context,
+               "step_ms": step * 1e3, "swap_ms": copies * 1e3, "step_with_swap_ms": with_swap * 1e3,
+               "serial_ms": (step + copies) * 1e3, "hidden": (step + copies - with_swap) / min(step, copies)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def with_pairs(inner: Callable[[list[tuple[int, int]], list[tuple[int, int]]], None],
+               pairs: list[tuple[int, int]]) -> Callable[[list[tuple[int, int]], list[tuple[int, int]]], None]:
+    """The runner's per-step swap call, also moving `pairs` out and back in."""
+    return lambda swap_out, swap_in: inner(swap_out + pairs, swap_in + pairs)
 
 
 def crossovers(rows: list[dict[str, object]]) -> dict[int, int | None]:
@@ -281,6 +352,10 @@ def main(argv: list[str] | None = None) -> None:
                            "recompute_ms", "swap_us_per_token", "recompute_us_per_token", "swap_wins"]))
         print("crossover (shortest context from which swap wins):",
               ", ".join(f"block {b}: {c if c is not None else 'never'}" for b, c in crossover.items()))
+    if "overlap" in args.parts:
+        result["overlap"] = overlap(args, llm)
+        print(table(result["overlap"], ["block_size", "batch", "context_swapped", "step_ms", "swap_ms",  # type: ignore[arg-type]
+                                        "step_with_swap_ms", "serial_ms", "hidden"]))
     if "served" in args.parts:
         result["served"] = served(args, llm)
         print(table(result["served"], ["block_size", "mode", "served_req_s", "output_tok_s", "ttft_p50_s",  # type: ignore[arg-type]
