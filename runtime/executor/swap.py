@@ -40,9 +40,9 @@ import torch
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
-# Device memory for staging when the swap space is larger: enough for a few long sequences of a
-# large model (one 8k-token Llama-3-8B sequence holds 1 GiB of KV in bf16). A step that swaps out
-# more than this still works; its later chunks are gathered only once earlier ones have left.
+# Device memory for staging when the swap space is larger: one 8k-token Llama-3-8B sequence (1 GiB
+# of KV in bf16), or several shorter ones. A step that swaps out more still works, in chunks; the
+# step then waits for all but the last chunk's copy, as each gather must wait for staging to empty.
 MAX_STAGING_BYTES = 1 << 30
 
 
