@@ -56,6 +56,9 @@ class StepStats:
     num_swapped_out: int = 0  # of the preemptions, those swapped to host memory
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
+    # seconds the copies took on the device, counted when they complete (they overlap the steps)
+    swap_out_seconds: float = 0.0
+    swap_in_seconds: float = 0.0
 
 
 P = ParamSpec("P")
@@ -243,7 +246,10 @@ class LLMEngine:
         dropped = [running[i] for i in plan.dropped]
         for seq in dropped:
             sched.preempt(seq)  # recompute: its blocks go back before the new cut is counted
-        moved, host_moved = self.runner.relayout(block_size, plan, swap_plan)
+        # the host re-cut keeps a swapped sequence's tokens wherever its new table says (swap.py)
+        swap_moves = [(s.swap_table[:-(-s.num_computed_tokens // old.block_size)], list(t), s.num_computed_tokens)
+                      for s, t in zip(swapped, swap_plan.tables, strict=True) if t is not None]
+        moved, host_moved = self.runner.relayout(block_size, plan, swap_moves)
         for seq, table in zip(running, plan.tables, strict=True):
             if table is not None:
                 seq.block_table = list(table)
@@ -267,9 +273,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
-        if sched.swap_out or sched.swap_in:  # before the forward pass reuses the swapped-out blocks
-            self.runner.swap_blocks(sched.swap_out, sched.swap_in)
-        if sched.is_empty and not sched.preempted:
+        # every step, even without copies: the runner orders copies in flight by these calls
+        self.runner.swap_blocks(sched.swap_out, sched.swap_in)
+        if sched.is_empty and not sched.preempted and not sched.swap_in:
             self.last_step = None
             return []
         outputs: list[RequestOutput] = []
@@ -283,6 +289,7 @@ class LLMEngine:
             outputs = self._postprocess(sched, result)
         first_tokens = [s.seq for s in sched.scheduled if s.samples and s.seq.num_output_tokens == 1]
         block_bytes = self.runner.bytes_per_block
+        swap = self.runner.take_swap_stats()
         self.last_step = StepStats(
             duration_s=time.perf_counter() - start,
             num_batched_tokens=sched.num_batched_tokens,
@@ -292,6 +299,8 @@ class LLMEngine:
             num_swapped_out=sched.num_swapped_out,
             swap_out_bytes=len(sched.swap_out) * block_bytes,
             swap_in_bytes=len(sched.swap_in) * block_bytes,
+            swap_out_seconds=swap.seconds_out,
+            swap_in_seconds=swap.seconds_in,
         )
         return outputs
 

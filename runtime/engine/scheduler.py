@@ -12,9 +12,16 @@ preempted. Recompute (`preemption_mode=recompute`): its blocks are freed and it 
 again later. Swap (`preemption_mode=swap`): its blocks are copied to host memory (the swap
 space) and freed; it waits in `swapped` and, before any new request is admitted, is copied back
 into fresh blocks and continues where it stopped. A swap falls back to recompute when the swap
-space is full. The copies are listed in the step's output (`swap_out` before `swap_in`) and the
-engine has the model runner do them before the step's forward pass. The mode is read at each
-preemption, so it can change live.
+space is full. The mode is read at each preemption, so it can change live.
+
+The copies are listed in the step's output (`swap_out` before `swap_in`); the model runner issues
+them before the step's forward pass and they overlap it (executor/swap.py). A sequence swapped in
+therefore runs from the next step on, not in the step that copies it in. It is swapped in only when
+the free blocks left afterwards cover the *headroom*: the blocks the running sequences, it
+included, need for their next `SWAP_IN_HORIZON` tokens (at least a block). Without it a swap-in
+takes the last free blocks, the next sequence to cross a block boundary preempts it again a step
+or two later, and swap thrashes (a copy out and back per cycle) where recompute would have waited
+(`tests/runtime/engine/test_swap_scheduling.py` replays such a workload without a model).
 
 Policies: `fcfs` admits in arrival order and preempts the newest running sequence. `priority`
 (vLLM's) orders the waiting and swapped queues by (request priority, arrival), lower first, and
@@ -33,7 +40,12 @@ from dataclasses import dataclass, field
 
 from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.config import SchedulerConfig
+from kvpilot.runtime.engine.host_blocks import HostBlockPool
 from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
+
+
+# Decode steps of growth a swap-in leaves room for, for every running sequence (see above).
+SWAP_IN_HORIZON = 64
 
 
 @dataclass
@@ -71,7 +83,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
-        self.free_swap_blocks: deque[int] = deque(range(num_swap_blocks))
+        self.swap_pool = HostBlockPool(num_swap_blocks)
         self.num_swap_blocks = num_swap_blocks
         self.num_preemptions = 0
         self.num_swapped_out = 0  # of the preemptions, those swapped to host memory
@@ -102,7 +114,7 @@ class Scheduler:
             self.swapped.remove(seq)
             self._requeue(seq)
         used = {b for seq in self.swapped for b in seq.swap_table}
-        self.free_swap_blocks = deque(b for b in range(num_swap_blocks) if b not in used)
+        self.swap_pool = HostBlockPool(num_swap_blocks, used=used)
         self.num_swap_blocks = num_swap_blocks
         return requeued
 
@@ -154,26 +166,31 @@ class Scheduler:
             budget -= num_new
 
         if not out.preempted:
-            budget = self._swap_in(out, budget)
+            self._swap_in(out)
             if not self.swapped:
                 self._admit_waiting(out, budget)
         return out
 
-    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
-        """Bring swapped sequences back into fresh device blocks, oldest first; returns the budget left."""
+    def _swap_in(self, out: SchedulerOutput) -> None:
+        """Bring swapped sequences back into fresh device blocks, oldest first, while the headroom
+        stays free. They run from the next step, once their copies have landed."""
         bm = self.block_manager
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        horizon = max(SWAP_IN_HORIZON, bm.block_size)
+        headroom = sum(bm.num_new_blocks(s, s.num_uncomputed_tokens + horizon) for s in self.running)
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            num_new = self._fit(seq.num_uncomputed_tokens, budget)
-            if num_new == 0 or max(len(seq.swap_table), bm.num_blocks_for(seq.num_computed_tokens + num_new)) > bm.num_free_blocks:
+            needed = len(seq.swap_table)
+            # with its own headroom (never more than a sequence can hold, so one always fits alone)
+            total = max(needed, bm.num_blocks_for(min(seq.num_tokens + horizon, self.config.max_model_len)))
+            if total + headroom > bm.num_free_blocks:
                 break
             self.swapped.popleft()
-            seq.block_table = bm.allocate(len(seq.swap_table))
+            seq.block_table = bm.allocate(needed)
             out.swap_in.extend(zip(seq.swap_table, seq.block_table, strict=True))
             self._drop_swap(seq)
-            self._start(seq, num_new, out)
-            budget -= num_new
-        return budget
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            headroom += total - needed
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -221,8 +238,8 @@ class Scheduler:
         self.block_manager.register_computed(seq)
         table = seq.block_table
         if (out is not None and self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0
-                and len(table) <= len(self.free_swap_blocks)):
-            seq.swap_table = [self.free_swap_blocks.popleft() for _ in table]
+                and self.swap_pool.can_allocate(len(table))):
+            seq.swap_table = self.swap_pool.allocate(len(table))
             out.swap_out.extend(zip(table, seq.swap_table, strict=True))
             out.num_swapped_out += 1
             self.num_swapped_out += 1
@@ -242,7 +259,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _drop_swap(self, seq: Sequence) -> None:
-        self.free_swap_blocks.extend(seq.swap_table)
+        self.swap_pool.free(seq.swap_table)
         seq.swap_table = []
 
 

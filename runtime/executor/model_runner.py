@@ -26,6 +26,7 @@ from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
 from kvpilot.runtime.executor.models.llama import cos_sin_cache
 from kvpilot.runtime.executor.parallel import TPInfo
 from kvpilot.runtime.executor.sampler import SampleResult, sample
+from kvpilot.runtime.executor.swap import MAX_STAGING_BYTES, SwapSpace, SwapStats
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class ModelRunner:
             head_major=self.device.type == "cuda",  # the decode kernel streams each (block, KV head) as one run
             swap_capacity_tokens=0)
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists
+        self.swap_space: SwapSpace | None = None  # made once the KV cache exists
         num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
         self.layout = dataclasses.replace(
             self.layout, num_blocks=num_blocks, capacity_tokens=num_blocks * self.block_size,
@@ -60,8 +62,8 @@ class ModelRunner:
         # one allocation for the runner's life: a block-size change re-cuts it in place (kv_cache.py)
         self._kv_storage = kv_cache.allocate(self.layout, self.layout.capacity_tokens)
         self.kv_caches = kv_cache.views(self._kv_storage, self.layout)
-        self._host_storage: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # swap space, made on first use
-        self._host_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # the swap space: the device cache's per-block layout, whole blocks across layers (swap.py)
+        self.swap_space = SwapSpace(self.kv_caches, self.layout.swap_capacity_tokens * self.layout.bytes_per_token)
         self._graph_sets = GraphsBySize()
         self._generators: dict[int, torch.Generator] = {}  # seeded sequences' own random streams
         self._capture_graphs()
@@ -104,6 +106,11 @@ class ModelRunner:
         return graphs
 
     @property
+    def _swap_bytes(self) -> int:
+        """Host memory of the swap space (--swap-space GiB; per rank under tensor parallelism)."""
+        return int(self.config.cache.swap_space_gib * GiB)
+
+    @property
     def num_swap_blocks(self) -> int:
         """Host blocks of the swap space (--swap-space GiB; per rank under tensor parallelism)."""
         return self.layout.num_swap_blocks
@@ -137,7 +144,8 @@ class ModelRunner:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         _, total = torch.cuda.mem_get_info()
-        budget = int(total * self.config.cache.gpu_memory_utilization) - peak
+        staging = min(self._swap_bytes, MAX_STAGING_BYTES)  # the swap space's device buffer
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - staging
         return max(0, budget // self.bytes_per_block)
 
     def _forward_probe(self, num_tokens: int) -> None:
@@ -152,45 +160,50 @@ class ModelRunner:
             self._run(probe)
         del self.kv_caches
 
-    def relayout(self, block_size: int, plan: kv_cache.Plan, swap_plan: kv_cache.Plan | None) -> tuple[int, int]:
-        """Re-cut the KV cache (and the swap space) into blocks of `block_size` in place, re-laying
-        the blocks `plan` (`swap_plan`) keeps (engine/relayout.py); returns the bytes written on the
-        device and in host memory. The allocation and every size's decode graphs stay."""
+    def relayout(self, block_size: int, plan: kv_cache.Plan,
+                 swap_moves: list[tuple[list[int], list[int], int]]) -> tuple[int, int]:
+        """Re-cut the KV cache into blocks of `block_size` in place, re-laying the blocks `plan`
+        keeps (engine/relayout.py), and the swap space with it, keeping each swapped sequence's KV
+        (`swap_moves`: old host blocks, new host blocks, tokens; swap.py's `recut`). Returns the
+        bytes written on the device and in host memory. The allocation and every size's decode
+        graphs stay."""
         if self.tp.size > 1 and self.tp.rank == 0:
-            self.tp.broadcast(("relayout", (block_size, plan, swap_plan)))
+            self.tp.broadcast(("relayout", (block_size, plan, swap_moves)))
         new = self.layout.with_block_size(block_size)
         if plan.num_new_blocks != new.num_blocks or plan.old_block_size != self.block_size:
             raise ValueError(f"the plan re-cuts {plan.old_block_size} -> {plan.num_new_blocks} blocks; this cache is "
                              f"{self.block_size} -> {new.num_blocks}")
+        assert self.swap_space is not None
+        self.swap_space.synchronize()  # copies in flight still read and write the old cut
         geometry = (new.num_kv_heads, new.head_dim, new.head_major)
         with torch.inference_mode():
             moved = kv_cache.relayout([t for kv in self._kv_storage for t in kv], plan, *geometry)
-            host_moved = 0
-            if swap_plan is not None and self._host_storage is not None:
-                host_moved = kv_cache.relayout([t for kv in self._host_storage for t in kv], swap_plan, *geometry)
-        self.layout = new
-        self.kv_caches = kv_cache.views(self._kv_storage, new)
-        if self._host_storage is not None:
-            self._host_caches = kv_cache.views(self._host_storage, new, num_blocks=new.num_swap_blocks)
+            self.layout = new
+            self.kv_caches = kv_cache.views(self._kv_storage, new)
+            host_moved = self.swap_space.recut(self.kv_caches, swap_moves)
         self.graphs = self._graphs_for(block_size)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the pause ends when the copies have
         return moved, host_moved
 
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Copy (device, host) block pairs out to the swap space, then (host, device) pairs back in."""
-        if self.tp.size > 1 and self.tp.rank == 0:
+        """Issue this step's copies of (device, host) block pairs out to the swap space and (host,
+        device) pairs back in (swap.py: they overlap the forward pass). Call once every step, before
+        `execute`, even with no pairs: the swap space counts steps by these calls."""
+        assert self.swap_space is not None
+        if self.tp.size > 1 and self.tp.rank == 0 and (swap_out or swap_in or self.swap_space.has_unmarked_swap_in):
             self.tp.broadcast(("swap", (swap_out, swap_in)))
-        if self._host_caches is None:
-            # the device cache's per-block layout, so one relayout plan re-cuts both
-            self._host_storage = kv_cache.allocate(self.layout, self.layout.swap_capacity_tokens, host=True)
-            self._host_caches = kv_cache.views(self._host_storage, self.layout, num_blocks=self.num_swap_blocks)
-        with torch.inference_mode():
-            _copy_blocks(swap_out, self.kv_caches, self._host_caches)
-            _copy_blocks(swap_in, self._host_caches, self.kv_caches)
+        self.swap_space.swap(swap_out, swap_in)
+
+    def take_swap_stats(self) -> SwapStats:
+        """Blocks moved and seconds the copies took since the last call (this rank's)."""
+        assert self.swap_space is not None
+        return self.swap_space.take_stats()
 
     def _run(self, inputs: StepInputs) -> torch.Tensor | None:
         """Forward pass on this rank; logits (num_logits_rows, vocab) or None when nothing samples."""
+        if self.swap_space is not None:
+            self.swap_space.before_forward()  # blocks swapped in by earlier steps are resident
         hidden = None
         if self.graphs is not None and inputs.is_decode_only:
             hidden = self.graphs.run(inputs)
@@ -245,14 +258,3 @@ class ModelRunner:
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast(("stop", None))
 
-
-def _copy_blocks(pairs: list[tuple[int, int]], sources: list[tuple[torch.Tensor, torch.Tensor]],
-                 targets: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy blocks (source id, target id) from each layer's K and V caches to the matching targets."""
-    if not pairs:
-        return
-    src_ids = torch.tensor([s for s, _ in pairs], device=sources[0][0].device)
-    dst_ids = torch.tensor([t for _, t in pairs], device=targets[0][0].device)
-    for source_kv, target_kv in zip(sources, targets, strict=True):
-        for source, target in zip(source_kv, target_kv, strict=True):
-            target.index_copy_(0, dst_ids, source.index_select(0, src_ids).to(target.device))

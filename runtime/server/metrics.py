@@ -60,6 +60,8 @@ class ServerMetrics:
         self.preemption_mode = Gauge("kvpilot_preemption_mode", "1 for the preemption mode in force.", m + ["mode"], registry=r)
         self.preemptions_by_mode = Counter("kvpilot_preemptions", "Preemptions by mode.", m + ["mode"], registry=r)
         self.swap_bytes = Counter("kvpilot_swap_bytes", "Bytes of KV cache swapped, by direction.", m + ["direction"], registry=r)
+        self.swap_seconds = Counter("kvpilot_swap_seconds", "Device time the swap copies took, by direction "
+                                    "(they overlap the steps; counted when they complete).", m + ["direction"], registry=r)
         self.config_changes = Counter("kvpilot_config_changes", "Live configuration changes applied.", m, registry=r)
         # every series exists from the start, so scrapers and rate() see zeros, not gaps
         for metric in (self.running, self.waiting, self.kv_usage_perc, self.preemptions, self.prompt_tokens,
@@ -70,6 +72,7 @@ class ServerMetrics:
             metric.labels(model_name)
         for direction in ("in", "out"):
             self.swap_bytes.labels(model_name, direction)
+            self.swap_seconds.labels(model_name, direction)
         for mode in PREEMPTION_MODES:
             self.preemptions_by_mode.labels(model_name, mode)
         self._cache_info_labels: tuple[str, ...] | None = None
@@ -108,6 +111,8 @@ class ServerMetrics:
                 self.preemptions_by_mode.labels(name, "recompute").inc(stats.num_preemptions - stats.num_swapped_out)
             self.swap_bytes.labels(name, "out").inc(stats.swap_out_bytes)
             self.swap_bytes.labels(name, "in").inc(stats.swap_in_bytes)
+            self.swap_seconds.labels(name, "out").inc(stats.swap_out_seconds)
+            self.swap_seconds.labels(name, "in").inc(stats.swap_in_seconds)
         for out in outputs:
             self._record_output(out)
         if len(self._last_token_time) > len(engine.requests):  # aborted requests

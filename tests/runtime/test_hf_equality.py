@@ -124,7 +124,7 @@ def test_swap_preemption_keeps_greedy_output_without_recomputing(block_size: int
         for prompt, out in zip(prompts, outs, strict=True):
             assert out == hf_greedy(hf, prompt, 60)
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
-        assert len(sched.free_swap_blocks) == sched.num_swap_blocks and not sched.swapped
+        assert sched.swap_pool.num_free_blocks == sched.num_swap_blocks and not sched.swapped
     no_preemption = sum(len(p) + 60 - 1 for p in prompts)
     assert counts["swap"] == no_preemption < counts["recompute"]
 

@@ -40,8 +40,7 @@ def token_kv(engine: LLMEngine, seq: Sequence) -> torch.Tensor:
     runner, bs, n = engine.runner, engine.runner.block_size, seq.num_computed_tokens
     swapped = seq.status is SequenceStatus.SWAPPED
     table = seq.swap_table if swapped else seq.block_table
-    caches = runner._host_caches if swapped else runner.kv_caches
-    assert caches is not None
+    caches = runner.swap_space.host_kv_caches() if swapped else runner.kv_caches
     blocks = torch.tensor([table[p // bs] for p in range(n)], dtype=torch.long)
     offsets = torch.arange(n) % bs
     return torch.stack([c[blocks, offsets] for kv in caches for c in kv]).clone()
@@ -152,7 +151,7 @@ class BlockSwitchMachine(RuleBasedStateMachine):
         for seq in list(sched.waiting) + list(sched.swapped):
             assert not seq.block_table
         swap = [b for seq in sched.swapped for b in seq.swap_table]
-        assert sorted(swap + list(sched.free_swap_blocks)) == list(range(sched.num_swap_blocks))
+        assert sorted(swap + sched.swap_pool.free_block_ids) == list(range(sched.num_swap_blocks))
         for seq in sched.swapped:
             assert len(seq.swap_table) * bs >= seq.num_computed_tokens > 0
         for seq in list(sched.running) + list(sched.waiting):

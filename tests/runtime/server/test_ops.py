@@ -74,7 +74,8 @@ def test_metrics_has_both_families_and_moves_as_requests_run(server: RunningServ
                  "kvpilot_num_running_seqs", "kvpilot_num_waiting_seqs", "kvpilot_num_swapped_seqs",
                  "kvpilot_kv_cache_usage_ratio", "kvpilot_block_size", "kvpilot_config_changes_total",
                  "kvpilot_preemption_mode{mode=recompute}", "kvpilot_preemptions_total{mode=swap}",
-                 "kvpilot_swap_bytes_total{direction=in}", "kvpilot_iteration_time_seconds_count",
+                 "kvpilot_swap_bytes_total{direction=in}", "kvpilot_swap_seconds_total{direction=out}",
+                 "kvpilot_iteration_time_seconds_count",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
                  "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count"]:
         assert name in before, name

@@ -1,0 +1,53 @@
+"""The swap space's blocks, as the scheduler hands them out. No torch.
+
+A sequence swapped out gets host blocks for its whole block table. The copies move each run of
+consecutive host blocks with one transfer (executor/swap.py), so the pool hands out one run when
+it has one long enough (the first that fits) and otherwise the lowest free ids, which keeps runs
+long as the pool fragments.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Collection
+
+
+class HostBlockPool:
+    def __init__(self, num_blocks: int, used: Collection[int] = ()) -> None:
+        """`num_blocks` host blocks, all free but `used` (swapped sequences kept across a re-cut)."""
+        self.num_blocks = num_blocks
+        self._free: list[int] = [b for b in range(num_blocks) if b not in used]  # sorted
+
+    @property
+    def free_block_ids(self) -> list[int]:
+        return list(self._free)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, count: int) -> bool:
+        return count <= len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` free blocks (call can_allocate first): a run of consecutive ids if one fits."""
+        start = self._first_run(count)
+        if start is None:
+            start = 0  # no run is long enough: the lowest ids
+        blocks = self._free[start:start + count]
+        del self._free[start:start + count]
+        return blocks
+
+    def _first_run(self, count: int) -> int | None:
+        """Where in the free list the first run of `count` consecutive ids starts, if any."""
+        free, run_start = self._free, 0
+        for i in range(len(free)):
+            if i > 0 and free[i] != free[i - 1] + 1:
+                run_start = i
+            if i - run_start + 1 == count:
+                return run_start
+        return None
+
+    def free(self, blocks: list[int]) -> None:
+        for block_id in blocks:
+            bisect.insort(self._free, block_id)
