@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=240)
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=512)
-    p.add_argument("--request-rate", type=float, default=12.0, help="requests per second (Poisson)")
+    p.add_argument("--request-rate", type=float, default=12.0, help="requests per second (Poisson; inf: all at once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, help="write the results here as JSON")
     args = p.parse_args(argv)
@@ -196,7 +196,7 @@ def overlap(args: argparse.Namespace, llm: LLM) -> list[dict[str, object]]:
         use_block_size(llm, block_size)
         bm = engine.block_manager
         num_blocks = -(-args.overlap_context // block_size)
-        holder = Request("overlap-holder", None, [0], SamplingParams(), arrival_time=0.0).seqs[0]
+        holder = Request("overlap-holder", None, [0], SamplingParams(), arrival_time=0.0, seq_ids=engine._seq_ids).seqs[0]
         holder.block_table = bm.allocate(num_blocks)  # blocks no sequence of the batch can take
         pairs = list(zip(holder.block_table, range(num_blocks), strict=True))
         inner = runner.swap_blocks

@@ -4,6 +4,8 @@ while the running ones keep room to grow, and into host blocks handed out as con
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvpilot.runtime.config import SchedulerConfig
@@ -13,10 +15,12 @@ from kvpilot.runtime.engine.scheduler import SWAP_IN_HORIZON, Scheduler, Schedul
 from kvpilot.runtime.engine.sequence import Request, Sequence, SequenceStatus
 from kvpilot.runtime.sampling_params import SamplingParams
 
+SEQ_IDS = itertools.count()  # an engine numbers its sequences; these tests are one engine
+
 
 def make_seq(num_prompt: int, rid: str, max_tokens: int = 1000, arrival: float = 0.0) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Request(rid, None, [1] * num_prompt, params, arrival_time=arrival).seqs[0]
+    return Request(rid, None, [1] * num_prompt, params, arrival_time=arrival, seq_ids=SEQ_IDS).seqs[0]
 
 
 def advance(sched: Scheduler, out: SchedulerOutput) -> list[Sequence]:
