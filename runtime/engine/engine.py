@@ -23,7 +23,7 @@ from kvpilot.runtime.executor.parallel import destroy_group, start_tensor_parall
 from kvpilot.runtime.executor.sampler import SampleResult, SamplingRow
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
-from kvpilot.runtime.engine.sequence import Request, Sequence
+from kvpilot.runtime.engine.sequence import DEFAULT_TENANT, Request, Sequence
 from kvpilot.runtime.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class StepStats:
     num_swapped_out: int = 0  # of the preemptions, those swapped to host memory
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
+    served_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # tenant -> [prompt, generated]
 
 
 class LLMEngine:
@@ -85,7 +86,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> Request:
+                    arrival_time: float | None = None, priority: int = 0, tenant: str = DEFAULT_TENANT) -> Request:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -97,7 +98,8 @@ class LLMEngine:
             text, token_ids = None, list(prompt)
         self._validate_prompt(token_ids)
         request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
-                          arrival_time=time.time() if arrival_time is None else arrival_time, priority=priority)
+                          arrival_time=time.time() if arrival_time is None else arrival_time, priority=priority,
+                          tenant=tenant)
         for seq in request.seqs:
             if params.seed is not None:
                 gen = torch.Generator(device=self.runner.device)
@@ -204,6 +206,7 @@ class LLMEngine:
             num_swapped_out=sched.num_swapped_out,
             swap_out_bytes=len(sched.swap_out) * block_bytes,
             swap_in_bytes=len(sched.swap_in) * block_bytes,
+            served_tokens=sched.served_tokens,
         )
         return outputs
 

@@ -16,10 +16,11 @@ space is full. The copies are listed in the step's output (`swap_out` before `sw
 engine has the model runner do them before the step's forward pass. The mode is read at each
 preemption, so it can change live.
 
-Policies: `fcfs` admits in arrival order and preempts the newest running sequence. `priority`
-(vLLM's) orders the waiting and swapped queues by (request priority, arrival), lower first, and
-preempts the running sequence that comes last in that order. The policy too is read every step.
-The `fair` policy is accepted and behaves as `fcfs` for now.
+The policy (policies.py: `fcfs`, `priority` with aging, `fair` per tenant) orders the running and
+swapped sequences for the budget, picks the next waiting sequence to admit and the preemption
+victim; the scheduler tells it the tokens it serves each step (`SchedulerOutput.served_tokens`,
+per tenant, also what the metrics count). The policy too is read every step: a live switch takes
+effect at the next step and never touches a sequence's tokens.
 
 With prefix caching, a sequence being admitted first takes the cached blocks of its leading
 tokens (block_manager.py) and is scheduled only for the rest; blocks are registered in the cache
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 
 from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.config import SchedulerConfig
+from kvpilot.runtime.engine.policies import Policy, make_policy
 from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
 
 
@@ -54,6 +56,8 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     num_swapped_out: int = 0  # of `preempted`, the sequences swapped rather than recomputed
+    # tenant -> [prompt tokens, generated tokens] served this step (policies.py: "served tokens")
+    served_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -75,6 +79,14 @@ class Scheduler:
         self.num_swap_blocks = num_swap_blocks
         self.num_preemptions = 0
         self.num_swapped_out = 0  # of the preemptions, those swapped to host memory
+        self._policy = make_policy(config)
+
+    @property
+    def policy(self) -> Policy:
+        """The policy object of `config.policy`, rebuilt when the config names another one."""
+        if self._policy.name != self.config.policy:
+            self._policy = make_policy(self.config)
+        return self._policy
 
     @property
     def num_unfinished(self) -> int:
@@ -90,6 +102,7 @@ class Scheduler:
         self.num_swap_blocks = num_swap_blocks
 
     def add(self, seq: Sequence) -> None:
+        self.policy.on_arrival(seq, self)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -112,10 +125,10 @@ class Scheduler:
         scheduled_ids: set[int] = set()
         for seq in self.running:  # what the last step computed becomes reusable
             self.block_manager.register_computed(seq)
-        if self.config.policy == "priority":  # stable sorts: cheap when already in order
-            self.running.sort(key=_priority_key)  # the token budget goes to the first ones first
-            self.waiting = deque(sorted(self.waiting, key=_priority_key))
-            self.swapped = deque(sorted(self.swapped, key=_priority_key))
+        policy = self.policy
+        self.running = policy.order(self.running)  # the token budget goes to the first ones first
+        if self.swapped:
+            self.swapped = deque(policy.order(self.swapped))
 
         for seq in list(self.running):
             if budget == 0:
@@ -135,6 +148,8 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
+        for s in out.scheduled:
+            self._charge(s, out)
 
         if not out.preempted:
             budget = self._swap_in(out, budget)
@@ -159,14 +174,17 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        cursor = self.policy.admission(self.waiting)
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = cursor.peek()
+            if seq is None:
+                break
             matched, digests = self.block_manager.match_prefix(seq)
             cached = len(matched) * self.block_manager.block_size
             num_new = self._fit(seq.num_uncomputed_tokens - cached, budget)
             if num_new == 0 or not self.block_manager.can_take(matched, num_new):
                 break
-            self.waiting.popleft()
+            cursor.take(seq)
             if matched:
                 self.block_manager.take(seq, matched, digests)
                 if seq.num_output_tokens == 0:
@@ -187,14 +205,28 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         out.scheduled.append(ScheduledSeq(seq, num_new))
+        self._charge(out.scheduled[-1], out)
+
+    def _charge(self, s: ScheduledSeq, out: SchedulerOutput) -> None:
+        """Count the tokens `s` serves for its tenant: prompt positions computed for the first
+        time, and the token it samples."""
+        seq = s.seq
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens
+        prompt_end = min(end, seq.num_prompt_tokens)
+        num_prompt = max(0, prompt_end - max(start, seq.num_prompt_tokens_served))
+        seq.num_prompt_tokens_served = max(seq.num_prompt_tokens_served, prompt_end)
+        num_generated = int(s.samples)
+        tenant = seq.request.tenant
+        served = out.served_tokens.setdefault(tenant, [0, 0])
+        served[0] += num_prompt
+        served[1] += num_generated
+        self.policy.charge(tenant, num_prompt, num_generated)
 
     def _pick_victim(self, scheduled_ids: set[int]) -> Sequence:
         """The running sequence that comes last in the policy's order (the newest under fcfs), not
         yet scheduled this step if there is one."""
         candidates = [s for s in self.running if s.seq_id not in scheduled_ids] or self.running
-        if self.config.policy == "priority":
-            return max(candidates, key=_priority_key)
-        return candidates[-1]
+        return self.policy.victim(candidates)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput | None = None) -> None:
         """Take a running sequence off the device: swapped to host memory when the mode is swap,
@@ -235,6 +267,3 @@ class Scheduler:
             self.preempt(seq)
         return len(running)
 
-
-def _priority_key(seq: Sequence) -> tuple[int, float, int]:
-    return seq.request.priority, seq.request.arrival_time, seq.seq_id

@@ -5,6 +5,9 @@ per sample, each scheduled on its own. A sequence's tokens are its prompt follow
 generated; `num_computed_tokens` of them have their keys and values in the KV cache, held in the
 blocks listed in `block_table`. After a recompute preemption that count drops to zero and the
 sequence is prefilled again, prompt and output alike.
+
+A request's *tenant* is whom it is served for (policies.py: the `fair` policy shares the engine
+between tenants); requests that name none share `DEFAULT_TENANT`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class SequenceStatus(enum.Enum):
 
 _seq_ids = itertools.count()
 
+DEFAULT_TENANT = "default"
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -41,6 +46,7 @@ class Sequence:
     # prefix cache: digests of the leading full blocks already looked up or registered
     prefix_digests: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_prompt_tokens_served: int = 0  # prompt positions computed at least once (policies.py)
     # output side, filled by the engine's postprocessing
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
@@ -88,6 +94,7 @@ class Request:
     params: SamplingParams
     arrival_time: float
     priority: int = 0  # lower runs first under the priority policy
+    tenant: str = DEFAULT_TENANT
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics = field(init=False)
 
