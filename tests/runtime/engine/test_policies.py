@@ -284,3 +284,55 @@ def test_live_policy_switches_lose_no_request_and_no_token() -> None:
         expected[r.tenant][1] += r.params.max_tokens
     assert dict(served) == dict(expected)
     assert sim.sched.block_manager.num_free_blocks == sim.sched.block_manager.num_blocks
+
+
+# ---- on the engine (tiny random-weight model) ---------------------------------------------------
+
+def _engine_workload(seed: int = 11) -> list[tuple[str, str, list[int], int]]:
+    """(request id, tenant, prompt, priority): three tenants, one sending most of the load."""
+    rng = random.Random(seed)
+    work = []
+    for i in range(12):
+        tenant = "heavy" if i % 4 else rng.choice(["light", "other"])
+        work.append((f"r{i}", tenant, [rng.randrange(256) for _ in range(rng.randrange(5, 60))], rng.randrange(3)))
+    return work
+
+
+def _run_engine(folder: str, policy: str, switches: dict[int, str] | None = None) -> dict[str, list[int]]:
+    from kvpilot.runtime import LLM
+
+    # 10 blocks of 8 tokens for 3 sequences of up to ~80 tokens: preemptions happen
+    engine = LLM(folder, max_model_len=80, block_size=8, num_gpu_blocks_override=10, max_num_seqs=3,
+                 max_num_batched_tokens=32, scheduler_policy=policy).engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for rid, tenant, prompt, priority in _engine_workload():
+        engine.add_request(rid, prompt, params, priority=priority, tenant=tenant)
+    done: dict[str, list[int]] = {}
+    for step in range(2000):
+        if switches and step in switches:
+            engine.update_config({"scheduler_policy": switches[step]})
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return done
+
+
+def test_greedy_outputs_under_fair_equal_fcfs_request_by_request(tiny_models) -> None:
+    folder, _ = tiny_models["llama"]
+    fcfs = _run_engine(folder, "fcfs")
+    assert sorted(fcfs) == sorted(rid for rid, *_ in _engine_workload())
+    for policy in ("fair", "priority"):
+        outputs = _run_engine(folder, policy)
+        assert outputs == fcfs
+        assert list(outputs) != list(fcfs)  # finished in another order: the schedule did differ
+
+
+def test_live_policy_switch_mid_run_loses_nothing(tiny_models) -> None:
+    folder, _ = tiny_models["llama"]
+    reference = _run_engine(folder, "fcfs")
+    switched = _run_engine(folder, "fcfs", {3: "fair", 9: "priority", 15: "fair", 30: "fcfs", 40: "fair"})
+    assert switched == reference
