@@ -190,7 +190,8 @@ class FairPolicy(Policy):
         the floor never decreases (each arrival is lifted to at least it), so such a tenant would be
         lifted to at least its old counter on return anyway."""
         active = {s.request.tenant for s in itertools.chain(scheduler.waiting, scheduler.swapped, scheduler.running)}
-        active.add(self.last_left or DEFAULT_TENANT)
+        if self.last_left is not None:
+            active.add(self.last_left)
         self.counters = {t: c for t, c in self.counters.items() if t in active or c > floor}
 
     def charge(self, tenant: str, num_prompt_tokens: int, num_generated_tokens: int) -> None:

@@ -7,8 +7,8 @@ a long prompt takes whatever budget is left and finishes over later steps, mixed
 without it a prompt is admitted only whole. A step therefore has one shape for every case:
 "for each scheduled sequence, compute its next `num_new_tokens` tokens".
 
-When a running sequence needs a block and none is free, the newest running sequence is
-preempted. Recompute (`preemption_mode=recompute`): its blocks are freed and it is prefilled
+When a running sequence needs a block and none is free, the policy's victim (the newest running
+sequence under fcfs) is preempted. Recompute (`preemption_mode=recompute`): its blocks are freed and it is prefilled
 again later. Swap (`preemption_mode=swap`): its blocks are copied to host memory (the swap
 space) and freed; it waits in `swapped` and, before any new request is admitted, is copied back
 into fresh blocks and continues where it stopped. A swap falls back to recompute when the swap
