@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -156,20 +157,11 @@ def test_tenant_metrics_keep_a_bounded_label_set_and_add_up() -> None:
                       num_preemptions=0, served_tokens={"t1": [5, 1], "t2": [7, 1], "t3": [11, 1]})
     snapshot = EngineSnapshot(waiting_requests_by_tenant={"t2": 2, "t3": 3, "t4": 4})
 
-    class _Engine:  # what `record` reads besides the snapshot and stats
-        requests: dict[str, object] = {}
-
-        class config:  # noqa: N801
-            class cache:  # noqa: N801
-                block_size, enable_prefix_caching = 16, False
-
-            class scheduler:  # noqa: N801
-                preemption_mode = "recompute"
-
-        class block_manager:  # noqa: N801
-            num_blocks = 8
-
-    metrics.record(_Engine(), [], snapshot, stats)  # type: ignore[arg-type]
+    engine = SimpleNamespace(  # what `record` reads besides the snapshot and the stats
+        requests={}, block_manager=SimpleNamespace(num_blocks=8),
+        config=SimpleNamespace(cache=SimpleNamespace(block_size=16, enable_prefix_caching=False),
+                               scheduler=SimpleNamespace(preemption_mode="recompute")))
+    metrics.record(engine, [], snapshot, stats)  # type: ignore[arg-type]
     served, waiting = {}, {}
     for family in text_string_to_metric_families(metrics.expose().decode()):
         for s in family.samples:
