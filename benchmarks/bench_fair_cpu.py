@@ -2,8 +2,8 @@
 
 Arrivals follow engine steps, not the clock, so the load relative to capacity is the same on a fast
 or a slow machine: every 12 steps the light tenant sends one request and the heavy tenant ten (ten
-times the load). Each request has a 64-token prompt and 32 new tokens (greedy, EOS ignored), and
-at most 8 run at once, so the engine serves about one request in four steps: the heavy tenant alone
+times the load). Each request has a 32-token prompt and 16 new tokens (greedy, EOS ignored), and
+at most 4 run at once, so the engine serves about one request in four steps: the heavy tenant alone
 asks for ~3.5x that, the light one for ~1/3, under its fair half. Arrivals stop after --steps
 steps and the run stops there too, so a queue that only grows shows as requests never started.
 Under `priority` the light tenant's requests have priority 0 and the heavy's 1 (default aging).
@@ -11,7 +11,7 @@ Under `priority` the light tenant's requests have priority 0 and the heavy's 1 (
 Per tenant: output tokens served per second of run, and TTFT (arrival to first token) P50/P99 of
 the requests that got a first token, with how many got none. "total" is all output tokens per
 second; the last column is that against fcfs in the same process.
-Usage: PYTHONSAFEPATH=1 .venv/bin/python benchmarks/bench_fair_cpu.py [--steps 240] [--output fair.json]
+Usage: PYTHONSAFEPATH=1 .venv/bin/python benchmarks/bench_fair_cpu.py [--steps 144] [--output fair.json]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from kvpilot.runtime import LLM, SamplingParams
 
-PROMPT_LEN, NEW_TOKENS, MAX_NUM_SEQS, PERIOD = 64, 32, 8, 12
+PROMPT_LEN, NEW_TOKENS, MAX_NUM_SEQS, PERIOD = 32, 16, 4, 12
 TENANTS = ("heavy", "light")
 
 
@@ -88,7 +88,7 @@ def run(llm: LLM, policy: str, num_steps: int, seed: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--steps", type=int, default=144)
     parser.add_argument("--policies", default="fcfs,fair,priority")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="write the results as JSON here")
@@ -99,7 +99,10 @@ def main() -> None:
     policies = args.policies.split(",")
     if len(set(policies)) != len(policies):
         parser.error("--policies: name each policy once (a policy's state starts fresh when switched to)")
-    results = [run(llm, policy, args.steps, args.seed) for policy in policies]
+    results = []
+    for policy in policies:
+        results.append(run(llm, policy, args.steps, args.seed))
+        print(f"{policy}: done in {results[-1]['seconds']:.0f} s", flush=True)
     base = next((r["total_tokens_per_s"] for r in results if r["policy"] == "fcfs"), None)
 
     def fmt(v: float | None, spec: str) -> str:
