@@ -195,11 +195,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--priority-aging", type=_positive_float, default=d.priority_aging, metavar="SECONDS",
                    help="priority policy: a waiting request gains one priority level per SECONDS waited, so a "
                         "request is never overtaken by one of priority q arriving more than "
-                        "(its priority - q) * SECONDS after it")
+                        "(its priority - q) * SECONDS after it (default: %(default)s)")
     g.add_argument("--fair-prompt-weight", type=_positive_float, default=d.fair_prompt_weight,
-                   help="fair policy: the cost of a prompt token in a tenant's counter")
+                   help="fair policy: the cost of a prompt token in a tenant's counter (default: %(default)s)")
     g.add_argument("--fair-output-weight", type=_positive_float, default=d.fair_output_weight,
-                   help="fair policy: the cost of a generated token in a tenant's counter")
+                   help="fair policy: the cost of a generated token in a tenant's counter (default: %(default)s, "
+                        "as in Sheng et al.: output costs more)")
     g.add_argument("--max-queue-len", type=_positive_int, default=None)
     g = parser.add_argument_group("device")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)

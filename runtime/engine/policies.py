@@ -32,7 +32,7 @@ Policies:
   tenant that left the queue), so time spent idle earns no credit. The paper proves that the
   service (weighted tokens) of two backlogged tenants over any interval differs by at most
   2 * max(w_p * L_input, w_q * M), L_input the longest prompt and M the most tokens the KV cache
-  holds. Counters start at zero whenever the policy is switched on.
+  holds. A switch to `fair` starts every counter at zero.
 """
 
 from __future__ import annotations
