@@ -47,6 +47,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
     scheduler_policy: str = "fcfs"
+    priority_aging: float = 10.0  # seconds of waiting worth one priority level
+    fair_prompt_weight: float = 1.0
+    fair_output_weight: float = 2.0
     max_queue_len: int | None = None
     device: str = "auto"
     enforce_eager: bool = False
@@ -97,6 +100,9 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
             policy=self.scheduler_policy,
+            priority_aging_s=self.priority_aging,
+            fair_prompt_weight=self.fair_prompt_weight,
+            fair_output_weight=self.fair_output_weight,
             max_queue_len=self.max_queue_len,
         )
         dev = DeviceConfig(device=device, enforce_eager=self.enforce_eager,
@@ -150,6 +156,7 @@ def _checked(parse: Callable[[str], float], ok: Callable[[float], bool], rule: s
 _positive_int = _checked(int, lambda v: v > 0, "a positive integer")
 _fraction = _checked(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
 _non_negative_float = _checked(float, lambda v: v >= 0, "a number >= 0")
+_positive_float = _checked(float, lambda v: v > 0, "a positive number")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -181,8 +188,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="recompute: drop a preempted sequence's KV and prefill it again; swap: copy it to "
                         "the --swap-space host memory and back (recompute when that is full); live-tunable")
     g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default=d.scheduler_policy,
-                   help="fcfs: arrival order; priority: the request's `priority` (lower first), then arrival, "
-                        "and preemption takes the least important; fair: as fcfs for now; live-tunable")
+                   help="fcfs: arrival order; priority: the request's `priority` (lower first) with aging "
+                        "(--priority-aging), preemption takes the least important; fair: per-tenant fair share "
+                        "of served tokens (Virtual Token Counter; the tenant is the API key's from --api-key-file, "
+                        "else the request's `user`); live-tunable")
+    g.add_argument("--priority-aging", type=_positive_float, default=d.priority_aging, metavar="SECONDS",
+                   help="priority policy: a waiting request gains one priority level per SECONDS waited, so a "
+                        "request is never overtaken by one of priority q arriving more than "
+                        "(its priority - q) * SECONDS after it (default: %(default)s)")
+    g.add_argument("--fair-prompt-weight", type=_positive_float, default=d.fair_prompt_weight,
+                   help="fair policy: the cost of a prompt token in a tenant's counter (default: %(default)s)")
+    g.add_argument("--fair-output-weight", type=_positive_float, default=d.fair_output_weight,
+                   help="fair policy: the cost of a generated token in a tenant's counter (default: %(default)s, "
+                        "as in Sheng et al.: output costs more)")
     g.add_argument("--max-queue-len", type=_positive_int, default=None)
     g = parser.add_argument_group("device")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)

@@ -66,6 +66,9 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     policy: str = "fcfs"
     max_queue_len: int | None = None
+    priority_aging_s: float = 10.0  # priority: seconds of waiting worth one priority level (policies.py)
+    fair_prompt_weight: float = 1.0  # fair: a prompt token's cost in a tenant's counter
+    fair_output_weight: float = 2.0  # fair: a generated token's cost (Sheng et al.: output costs more)
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
@@ -73,6 +76,9 @@ class SchedulerConfig:
         _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"must be one of {', '.join(PREEMPTION_MODES)}, not {self.preemption_mode!r}")
         _check(self.policy in SCHEDULER_POLICIES, "scheduler_policy", f"must be one of {', '.join(SCHEDULER_POLICIES)}, not {self.policy!r}")
         _check(self.max_queue_len is None or self.max_queue_len > 0, "max_queue_len", "must be positive")
+        _check(self.priority_aging_s > 0, "priority_aging", f"must be a positive number of seconds, not {self.priority_aging_s}")
+        _check(self.fair_prompt_weight > 0, "fair_prompt_weight", f"must be positive, not {self.fair_prompt_weight}")
+        _check(self.fair_output_weight > 0, "fair_output_weight", f"must be positive, not {self.fair_output_weight}")
         _check(
             self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
             "max_num_batched_tokens",

@@ -13,6 +13,8 @@ fails with `EngineDeadError`, and `/health` reports it, instead of requests hang
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import logging
 import queue
 import threading
@@ -22,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.runtime.engine.engine import LLMEngine, StepStats
+from kvpilot.runtime.engine.scheduler import Scheduler
+from kvpilot.runtime.engine.sequence import DEFAULT_TENANT
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 
@@ -47,6 +51,7 @@ class EngineSnapshot:
     num_free_blocks: int = 0
     num_blocks: int = 0
     kv_cache_usage: float = 0.0
+    waiting_requests_by_tenant: dict[str, int] = field(default_factory=dict)  # waiting or swapped out
 
 
 @dataclass
@@ -55,6 +60,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     priority: int
+    tenant: str
     admitted: asyncio.Future[None]
 
 
@@ -133,14 +139,15 @@ class AsyncEngine:
     # ---- requests (event loop) -------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams, priority: int = 0) -> RequestStream:
+                          params: SamplingParams, priority: int = 0,
+                          tenant: str = DEFAULT_TENANT) -> RequestStream:
         """Admit a request; raises `RequestError`, `QueueFullError` or `EngineDeadError`."""
         self._check_alive()
         assert self._loop is not None, "start() first"
         stream = RequestStream(request_id)
         admitted: asyncio.Future[None] = self._loop.create_future()
         self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, prompt, params, priority, admitted))
+        self._inbox.put(_Add(request_id, prompt, params, priority, tenant, admitted))
         try:
             await admitted
         except BaseException:
@@ -275,7 +282,8 @@ class AsyncEngine:
                 f"the server's queue is full ({self.max_queue_len} requests waiting); retry later")
         else:
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority)
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
+                                        tenant=cmd.tenant)
             except Exception as e:  # noqa: BLE001 - any failure goes back to the caller, never hangs it
                 error = e
         self._resolve(cmd.admitted, None, error)
@@ -313,12 +321,18 @@ class AsyncEngine:
             num_free_blocks=bm.num_free_blocks,
             num_blocks=bm.num_blocks,
             kv_cache_usage=bm.usage,
+            waiting_requests_by_tenant=_waiting_by_tenant(e.scheduler),
         )
 
     def _publish(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
         self.snapshot = self._take_snapshot()
         if self.on_step is not None:
             self.on_step(self.engine, outputs, self.snapshot, stats)
+
+
+def _waiting_by_tenant(scheduler: Scheduler) -> dict[str, int]:
+    waiting = {s.request for s in itertools.chain(scheduler.waiting, scheduler.swapped)}
+    return dict(collections.Counter(r.tenant for r in waiting))
 
 
 def _release_memory() -> None:

@@ -26,7 +26,7 @@ from kvpilot.runtime.executor.worker import Workers
 from kvpilot.runtime.executor.sampler import SampleResult
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
-from kvpilot.runtime.engine.sequence import Request, Sequence
+from kvpilot.runtime.engine.sequence import DEFAULT_TENANT, Request, Sequence
 from kvpilot.runtime.engine.step_inputs import build_step_inputs
 from kvpilot.runtime.engine.tokenizer import Tokenizer
 
@@ -102,6 +102,7 @@ class RelayoutReport:
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
+    served_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # tenant -> [prompt, generated]
 
 
 class LLMEngine:
@@ -143,7 +144,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> Request:
+                    arrival_time: float | None = None, priority: int = 0, tenant: str = DEFAULT_TENANT) -> Request:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -156,7 +157,7 @@ class LLMEngine:
         self._validate_prompt(token_ids)
         request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
                           arrival_time=time.time() if arrival_time is None else arrival_time, priority=priority,
-                          seq_ids=self._seq_ids)
+                          tenant=tenant, seq_ids=self._seq_ids)
         for seq in request.seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = request
@@ -301,6 +302,7 @@ class LLMEngine:
             swap_in_bytes=len(sched.swap_in) * block_bytes,
             swap_out_seconds=swap.seconds_out,
             swap_in_seconds=swap.seconds_in,
+            served_tokens=sched.served_tokens,
         )
         return outputs
 

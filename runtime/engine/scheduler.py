@@ -7,8 +7,8 @@ a long prompt takes whatever budget is left and finishes over later steps, mixed
 without it a prompt is admitted only whole. A step therefore has one shape for every case:
 "for each scheduled sequence, compute its next `num_new_tokens` tokens".
 
-When a running sequence needs a block and none is free, the newest running sequence is
-preempted. Recompute (`preemption_mode=recompute`): its blocks are freed and it is prefilled
+When a running sequence needs a block and none is free, the policy's victim (the newest running
+sequence under fcfs) is preempted. Recompute (`preemption_mode=recompute`): its blocks are freed and it is prefilled
 again later. Swap (`preemption_mode=swap`): its blocks are copied to host memory (the swap
 space) and freed; it waits in `swapped` and, before any new request is admitted, is copied back
 into fresh blocks and continues where it stopped. A swap falls back to recompute when the swap
@@ -23,10 +23,11 @@ takes the last free blocks, the next sequence to cross a block boundary preempts
 or two later, and swap thrashes (a copy out and back per cycle) where recompute would have waited
 (`tests/runtime/engine/test_swap_scheduling.py` replays such a workload without a model).
 
-Policies: `fcfs` admits in arrival order and preempts the newest running sequence. `priority`
-(vLLM's) orders the waiting and swapped queues by (request priority, arrival), lower first, and
-preempts the running sequence that comes last in that order. The policy too is read every step.
-The `fair` policy is accepted and behaves as `fcfs` for now.
+The policy (policies.py: `fcfs`, `priority` with aging, `fair` per tenant) orders the running and
+swapped sequences for the budget, picks the next waiting sequence to admit and the preemption
+victim; the scheduler tells it the tokens it serves each step (`SchedulerOutput.served_tokens`,
+per tenant, also what the metrics count). The policy too is read every step: a live switch takes
+effect at the next step and never touches a sequence's tokens.
 
 With prefix caching, a sequence being admitted first takes the cached blocks of its leading
 tokens (block_manager.py) and is scheduled only for the rest; blocks are registered in the cache
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.config import SchedulerConfig
 from kvpilot.runtime.engine.host_blocks import HostBlockPool
+from kvpilot.runtime.engine.policies import Policy, make_policy
 from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
 
 
@@ -66,6 +68,8 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     num_swapped_out: int = 0  # of `preempted`, the sequences swapped rather than recomputed
+    # tenant -> [prompt tokens, generated tokens] served this step (policies.py: "served tokens")
+    served_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -87,6 +91,14 @@ class Scheduler:
         self.num_swap_blocks = num_swap_blocks
         self.num_preemptions = 0
         self.num_swapped_out = 0  # of the preemptions, those swapped to host memory
+        self._policy = make_policy(config)
+
+    @property
+    def policy(self) -> Policy:
+        """The policy object of `config.policy`, rebuilt when the config names another one."""
+        if self._policy.name != self.config.policy:
+            self._policy = make_policy(self.config)
+        return self._policy
 
     @property
     def num_unfinished(self) -> int:
@@ -119,6 +131,7 @@ class Scheduler:
         return requeued
 
     def add(self, seq: Sequence) -> None:
+        self.policy.on_arrival(seq, self)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -141,10 +154,10 @@ class Scheduler:
         scheduled_ids: set[int] = set()
         for seq in self.running:  # what the last step computed becomes reusable
             self.block_manager.register_computed(seq)
-        if self.config.policy == "priority":  # stable sorts: cheap when already in order
-            self.running.sort(key=_priority_key)  # the token budget goes to the first ones first
-            self.waiting = deque(sorted(self.waiting, key=_priority_key))
-            self.swapped = deque(sorted(self.swapped, key=_priority_key))
+        policy = self.policy
+        self.running = policy.order(self.running)  # the token budget goes to the first ones first
+        if self.swapped:
+            self.swapped = deque(policy.order(self.swapped))
 
         for seq in list(self.running):
             if budget == 0:
@@ -164,6 +177,8 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
+        for s in out.scheduled:
+            self._charge(s, out)
 
         if not out.preempted:
             self._swap_in(out)
@@ -193,14 +208,17 @@ class Scheduler:
             headroom += total - needed
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        cursor = self.policy.admission(self.waiting)
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = cursor.peek()
+            if seq is None:
+                break
             matched, digests = self.block_manager.match_prefix(seq)
             cached = len(matched) * self.block_manager.block_size
             num_new = self._fit(seq.num_uncomputed_tokens - cached, budget)
             if num_new == 0 or not self.block_manager.can_take(matched, num_new):
                 break
-            self.waiting.popleft()
+            cursor.take(seq)
             if matched:
                 self.block_manager.take(seq, matched, digests)
                 if seq.num_output_tokens == 0:
@@ -221,14 +239,28 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         out.scheduled.append(ScheduledSeq(seq, num_new))
+        self._charge(out.scheduled[-1], out)
+
+    def _charge(self, s: ScheduledSeq, out: SchedulerOutput) -> None:
+        """Count the tokens `s` serves for its tenant: prompt positions computed for the first
+        time, and the token it samples."""
+        seq = s.seq
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens
+        prompt_end = min(end, seq.num_prompt_tokens)
+        num_prompt = max(0, prompt_end - max(start, seq.num_prompt_tokens_served))
+        seq.num_prompt_tokens_served = max(seq.num_prompt_tokens_served, prompt_end)
+        num_generated = int(s.samples)
+        tenant = seq.request.tenant
+        served = out.served_tokens.setdefault(tenant, [0, 0])
+        served[0] += num_prompt
+        served[1] += num_generated
+        self.policy.charge(tenant, num_prompt, num_generated)
 
     def _pick_victim(self, scheduled_ids: set[int]) -> Sequence:
         """The running sequence that comes last in the policy's order (the newest under fcfs), not
         yet scheduled this step if there is one."""
         candidates = [s for s in self.running if s.seq_id not in scheduled_ids] or self.running
-        if self.config.policy == "priority":
-            return max(candidates, key=_priority_key)
-        return candidates[-1]
+        return self.policy.victim(candidates)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput | None = None) -> None:
         """Take a running sequence off the device: swapped to host memory when the mode is swap,
@@ -262,6 +294,3 @@ class Scheduler:
         self.swap_pool.free(seq.swap_table)
         seq.swap_table = []
 
-
-def _priority_key(seq: Sequence) -> tuple[int, float, int]:
-    return seq.request.priority, seq.request.arrival_time, seq.seq_id

@@ -8,6 +8,9 @@ sequence is prefilled again, prompt and output alike.
 
 Sequence ids are unique within one engine (each engine numbers its own: `seq_ids`), and
 order sequences by creation.
+
+A request's *tenant* is whom it is served for (policies.py: the `fair` policy shares the engine
+between tenants); requests that name none share `DEFAULT_TENANT`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+DEFAULT_TENANT = "default"
+
+
 @dataclass(eq=False)
 class Sequence:
     request: Request
@@ -41,6 +47,7 @@ class Sequence:
     # prefix cache: digests of the leading full blocks already looked up or registered
     prefix_digests: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_prompt_tokens_served: int = 0  # prompt positions computed at least once (policies.py)
     # output side, filled by the engine's postprocessing
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
@@ -88,6 +95,7 @@ class Request:
     params: SamplingParams
     arrival_time: float
     priority: int = 0  # lower runs first under the priority policy
+    tenant: str = DEFAULT_TENANT
     seqs: list[Sequence] = field(init=False)
     metrics: RequestMetrics = field(init=False)
     _: KW_ONLY

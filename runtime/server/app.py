@@ -30,10 +30,11 @@ from kvpilot.runtime.server.admin import add_admin_routes
 from kvpilot.runtime.args import EngineArgs
 from kvpilot.runtime.engine.async_engine import AsyncEngine
 from kvpilot.runtime.engine.engine import LLMEngine
-from kvpilot.runtime.server.errors import add_error_handlers, check_token
+from kvpilot.runtime.server.errors import add_error_handlers, bearer_token, unauthorized
 from kvpilot.runtime.server.metrics import ServerMetrics
 from kvpilot.runtime.server.openai_serving import OpenAIServing
 from kvpilot.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvpilot.runtime.server.tenants import APIKeys, resolve_tenant
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    api_keys: APIKeys | None = None  # --api-key-file: key -> tenant (tenants.py)
     admin_token: str | None = None
     max_queue_len: int | None = None
     disable_log_stats: bool = False
@@ -71,7 +73,7 @@ class ServerState:
         self.reloading = False
         self.started = False
         self.device = engine.config.device.device
-        self.metrics = ServerMetrics(engine.config.model.served_model_name)
+        self.metrics = ServerMetrics(engine.config.model.served_model_name, self.known_tenants)
         self.engine = AsyncEngine(engine, max_queue_len=config.max_queue_len, on_step=self.metrics.record)
         self.serving = OpenAIServing(self.engine, engine.tokenizer, self.metrics.model_name, self._refusal)
         self.set_model(engine)
@@ -82,8 +84,13 @@ class ServerState:
         self.serving.model_name = self.model_name
         self.serving.tokenizer = engine.tokenizer
         if self.metrics.model_name != self.model_name:
-            self.metrics = ServerMetrics(self.model_name)
+            self.metrics = ServerMetrics(self.model_name, self.known_tenants)
             self.engine.on_step = self.metrics.record
+
+    @property
+    def known_tenants(self) -> list[str]:
+        """Tenants whose metric series exist from the start: the key file's."""
+        return self.config.api_keys.tenants if self.config.api_keys is not None else []
 
     def _refusal(self) -> APIError | None:
         if self.draining:
@@ -131,19 +138,22 @@ def build_app(state: ServerState) -> FastAPI:
 # ---- routes ----------------------------------------------------------------------------------
 
 def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
-    def authorize(request: Request) -> None:
-        if state.config.api_key is not None:
-            check_token(request, state.config.api_key, "api key")
+    def authorize(request: Request, user: str | None = None) -> str:
+        """Check the API key; returns the request's tenant (tenants.py)."""
+        tenant = resolve_tenant(state.config.api_keys, state.config.api_key, bearer_token(request), user)
+        if tenant is None:
+            raise unauthorized("api key")
+        return tenant
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        authorize(request)
-        return await state.serving.chat(body, request)
+        tenant = authorize(request, body.user)
+        return await state.serving.chat(body, request, tenant)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        authorize(request)
-        return await state.serving.completions(body, request)
+        tenant = authorize(request, body.user)
+        return await state.serving.completions(body, request, tenant)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

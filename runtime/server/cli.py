@@ -17,6 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: env KVPILOT_API_KEY)")
+    g.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="API keys with their tenants, one 'KEY TENANT' pair per line (# comments): /v1/* then "
+                        "requires one of them (or --api-key, whose tenant is 'default'), and a request's tenant "
+                        "for --scheduler-policy fair and the per-tenant metrics is its key's, whatever its `user` "
+                        "field says; without the file the tenant is `user`, else 'default'")
     g.add_argument("--admin-token", default=None,
                    help="token for /admin/config and /reload (default: env KVPILOT_ADMIN_TOKEN); unset disables them")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
@@ -33,11 +38,13 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.runtime.args import EngineArgs
     from kvpilot.runtime.model_source import ModelSourceError
     from kvpilot.runtime.server.app import ServerConfig
+    from kvpilot.runtime.server.tenants import APIKeys
 
     try:
         server_config = ServerConfig(
             host=args.host, port=args.port,
             api_key=args.api_key or os.environ.get("KVPILOT_API_KEY") or None,
+            api_keys=APIKeys.load(args.api_key_file) if args.api_key_file else None,
             admin_token=args.admin_token or os.environ.get("KVPILOT_ADMIN_TOKEN") or None,
             max_queue_len=args.max_queue_len, disable_log_stats=args.disable_log_stats,
             metric_interval=args.metric_interval, drain_timeout=args.drain_timeout,

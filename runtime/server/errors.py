@@ -58,8 +58,16 @@ def _bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
+def bearer_token(request: Request) -> str | None:
+    return _bearer(request)
+
+
+def unauthorized(what: str) -> APIError:
+    return APIError(401, f"missing or wrong {what}: send 'Authorization: Bearer <{what}>'",
+                    type="authentication_error", code=f"invalid_{what.replace(' ', '_')}")
+
+
 def check_token(request: Request, expected: str, what: str) -> None:
     token = _bearer(request)
     if token is None or not hmac.compare_digest(token.encode(), expected.encode()):
-        raise APIError(401, f"missing or wrong {what}: send 'Authorization: Bearer <{what}>'",
-                       type="authentication_error", code=f"invalid_{what.replace(' ', '_')}")
+        raise unauthorized(what)

@@ -2,6 +2,12 @@
 adapters and scrapers work unchanged) and kvpilot's own `kvpilot_*` names, all with the
 `model_name` label. Updated on the engine thread after every step; prometheus_client is
 thread-safe, and each server owns its registry so several can live in one process (tests).
+
+Per-tenant series (`kvpilot_tenant_*`, label `tenant`) keep their label set bounded: the first
+`MAX_TENANT_LABELS` tenants (the `--api-key-file` tenants first, registered at start) have their
+own label for the server's life and every later tenant adds up under `tenant="other"`. A label
+is never reassigned, so every counter stays monotonic and `sum by (tenant)` always adds up to
+the whole.
 """
 
 from __future__ import annotations
@@ -23,10 +29,36 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     60.0, 120.0, 240.0, 480.0, 960.0)
 _ITERATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 PREEMPTION_MODES = ("recompute", "swap")
+MAX_TENANT_LABELS = 16
+OTHER_TENANTS = "other"
+TOKEN_KINDS = ("prompt", "generation")
+
+
+class TenantLabels:
+    """tenant -> label value, with at most `limit` named tenants plus "other" (module docstring)."""
+
+    def __init__(self, limit: int, known: list[str]) -> None:
+        self.limit = limit
+        self.named: set[str] = set()
+        for tenant in known:
+            self.label(tenant)
+
+    def label(self, tenant: str) -> str:
+        if tenant in self.named:
+            return tenant
+        if len(self.named) < self.limit and tenant != OTHER_TENANTS:
+            self.named.add(tenant)
+            return tenant
+        return OTHER_TENANTS
+
+    @property
+    def labels(self) -> list[str]:
+        return [*sorted(self.named), OTHER_TENANTS]
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, tenants: list[str] | None = None,
+                 max_tenant_labels: int = MAX_TENANT_LABELS) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
@@ -63,6 +95,12 @@ class ServerMetrics:
         self.swap_seconds = Counter("kvpilot_swap_seconds", "Device time the swap copies took, by direction "
                                     "(they overlap the steps; counted when they complete).", m + ["direction"], registry=r)
         self.config_changes = Counter("kvpilot_config_changes", "Live configuration changes applied.", m, registry=r)
+        self.tenant_served_tokens = Counter(
+            "kvpilot_tenant_served_tokens", "Tokens served per tenant: prompt tokens computed (prefix-cache hits "
+            "and recomputation excluded) and generated tokens.", m + ["tenant", "kind"], registry=r)
+        self.tenant_waiting = Gauge("kvpilot_tenant_waiting_requests", "Requests waiting (or swapped out) per tenant.",
+                                    m + ["tenant"], registry=r)
+        self.tenants = TenantLabels(max_tenant_labels, tenants or [])
         # every series exists from the start, so scrapers and rate() see zeros, not gaps
         for metric in (self.running, self.waiting, self.kv_usage_perc, self.preemptions, self.prompt_tokens,
                        self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time,
@@ -75,6 +113,8 @@ class ServerMetrics:
             self.swap_seconds.labels(model_name, direction)
         for mode in PREEMPTION_MODES:
             self.preemptions_by_mode.labels(model_name, mode)
+        for label in self.tenants.labels:
+            self._add_tenant_series(label)
         self._cache_info_labels: tuple[str, ...] | None = None
         self._last_token_time: dict[str, float] = {}
         # for the periodic log line; reset by `take_interval`
@@ -83,6 +123,27 @@ class ServerMetrics:
 
     def expose(self) -> bytes:
         return generate_latest(self.registry)
+
+    def _add_tenant_series(self, label: str) -> None:
+        for kind in TOKEN_KINDS:
+            self.tenant_served_tokens.labels(self.model_name, label, kind)
+        self.tenant_waiting.labels(self.model_name, label)
+
+    def _record_tenants(self, snapshot: EngineSnapshot, stats: StepStats | None) -> None:
+        name = self.model_name
+        known = set(self.tenants.named)
+        for tenant, (num_prompt, num_generated) in (stats.served_tokens if stats is not None else {}).items():
+            label = self.tenants.label(tenant)
+            self.tenant_served_tokens.labels(name, label, "prompt").inc(num_prompt)
+            self.tenant_served_tokens.labels(name, label, "generation").inc(num_generated)
+        waiting = dict.fromkeys(self.tenants.labels, 0)
+        for tenant, count in snapshot.waiting_requests_by_tenant.items():
+            label = self.tenants.label(tenant)
+            waiting[label] = waiting.get(label, 0) + count
+        for label in self.tenants.named - known:
+            self._add_tenant_series(label)
+        for label, count in waiting.items():
+            self.tenant_waiting.labels(name, label).set(count)
 
     def record_config_change(self) -> None:
         self.config_changes.labels(self.model_name).inc()
@@ -100,6 +161,7 @@ class ServerMetrics:
         self.num_running_seqs.labels(name).set(snapshot.num_running_seqs)
         self.num_waiting_seqs.labels(name).set(snapshot.num_waiting_seqs)
         self.num_swapped_seqs.labels(name).set(snapshot.num_swapped_seqs)
+        self._record_tenants(snapshot, stats)
         if stats is not None:
             self._interval_steps += 1
             self._interval_time += stats.duration_s

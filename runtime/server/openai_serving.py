@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvpilot.runtime.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from kvpilot.runtime.engine.engine import RequestError
+from kvpilot.runtime.engine.sequence import DEFAULT_TENANT
 from kvpilot.runtime.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from kvpilot.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kvpilot.runtime.sampling_params import SamplingParams
@@ -40,7 +41,7 @@ class OpenAIServing:
 
     # ---- endpoints -------------------------------------------------------------------------
 
-    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+    async def chat(self, body: ChatCompletionRequest, raw: Request, tenant: str = DEFAULT_TENANT) -> Response:
         self._check_model(body.model)
         params = _to_params(body.to_sampling_params)
         if self.tokenizer is None:
@@ -59,16 +60,17 @@ class OpenAIServing:
         top = body.top_logprobs or 0
         return await self._serve(request_id, prompt, params, body.priority, raw, body.stream, body.include_usage,
                                  body.stream_options is not None and body.stream_options.continuous_usage_stats,
-                                 "chat.completion", lambda c, chars, tokens: self._chat_choice(c, chars, tokens, top, body.stream))
+                                 "chat.completion", lambda c, chars, tokens: self._chat_choice(c, chars, tokens, top, body.stream),
+                                 tenant=tenant)
 
-    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+    async def completions(self, body: CompletionRequest, raw: Request, tenant: str = DEFAULT_TENANT) -> Response:
         self._check_model(body.model)
         params = _to_params(body.to_sampling_params)
         prompt = _to_params(body.single_prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         return await self._serve(request_id, prompt, params, body.priority, raw, body.stream, body.include_usage,
                                  body.stream_options is not None and body.stream_options.continuous_usage_stats,
-                                 "text_completion", self._completion_choice)
+                                 "text_completion", self._completion_choice, tenant=tenant)
 
     # ---- the shared flow -------------------------------------------------------------------
 
@@ -79,11 +81,11 @@ class OpenAIServing:
 
     async def _serve(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int, raw: Request,
                      stream: bool, include_usage: bool, continuous_usage: bool, kind: str,
-                     choice: ChoiceBuilder) -> Response:
+                     choice: ChoiceBuilder, tenant: str = DEFAULT_TENANT) -> Response:
         refusal = self.unavailable()
         if refusal is not None:
             raise refusal
-        outputs = await self._admit(request_id, prompt, params, priority)
+        outputs = await self._admit(request_id, prompt, params, priority, tenant)
         created = int(time.time())
         if stream:
             chunks = self._stream(request_id, outputs, created, kind, choice, include_usage, continuous_usage)
@@ -99,9 +101,9 @@ class OpenAIServing:
         })
 
     async def _admit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     priority: int) -> RequestStream:
+                     priority: int, tenant: str) -> RequestStream:
         try:
-            return await self.engine.add_request(request_id, prompt, params, priority)
+            return await self.engine.add_request(request_id, prompt, params, priority, tenant)
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
         except EngineDeadError as e:

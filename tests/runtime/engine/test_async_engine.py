@@ -21,7 +21,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.requests: dict[str, Any] = {}
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
+        self.scheduler = SimpleNamespace(running=[], waiting=[], swapped=[])
         self.block_manager = SimpleNamespace(num_free_blocks=8, num_blocks=8, usage=0.0)
         self.last_step = None
         self.num_steps = 0
@@ -34,7 +34,8 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+                    tenant: str = "default") -> None:
         if prompt == "explode":
             raise KeyError("not a ValueError")
         if not prompt:
