@@ -59,6 +59,7 @@ class StepStats:
     # seconds the copies took on the device, counted when they complete (they overlap the steps)
     swap_out_seconds: float = 0.0
     swap_in_seconds: float = 0.0
+    served_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # tenant -> [prompt, generated]
 
 
 P = ParamSpec("P")
@@ -102,7 +103,6 @@ class RelayoutReport:
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
-    served_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # tenant -> [prompt, generated]
 
 
 class LLMEngine:

@@ -32,6 +32,7 @@ class Sim:
         self.sched = Scheduler(config, BlockManager(num_blocks, block_size))
         self.step_no = 0
         self.ids = itertools.count()
+        self.seq_ids = itertools.count()  # the engine's sequence numbering
         self.service: list[dict[str, float]] = []
         self.backlogged: list[set[str]] = []
         self.arrival_step: dict[str, int] = {}
@@ -44,7 +45,7 @@ class Sim:
         rid = f"{tenant}-{next(self.ids)}"
         request = Request(rid, None, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens),
                           arrival_time=float(self.step_no) if arrival is None else arrival, priority=priority,
-                          tenant=tenant)
+                          tenant=tenant, seq_ids=self.seq_ids)
         self.arrival_step[rid] = self.step_no
         for seq in request.seqs:
             self.sched.add(seq)
