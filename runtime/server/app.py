@@ -1,5 +1,9 @@
 """The HTTP server of `kvpilot serve`: FastAPI routes over an `AsyncEngine`.
 
+This is the API process: HTTP, chat templates, tokenising, detokenising and streaming happen
+here, while the step loop runs in the engine core, a process of its own that the lifespan starts
+and stops (async_engine.py, core.py). `/health` fails with 503 the moment the core dies.
+
 Routes and their contract are in ARCHITECTURE.md ("HTTP contract"); the OpenAI endpoints'
 logic lives in openai_serving.py, the admin endpoints in admin.py, and every error a client can
 cause leaves through http_errors.py as OpenAI's error JSON (docs/errors.md lists them).
@@ -28,8 +32,9 @@ from fastapi.responses import JSONResponse, Response
 
 from kvpilot.runtime.server.admin import add_admin_routes
 from kvpilot.runtime.args import EngineArgs
+from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.async_engine import AsyncEngine
-from kvpilot.runtime.engine.engine import LLMEngine
+from kvpilot.runtime.engine.tokenizer import Tokenizer
 from kvpilot.runtime.server.errors import add_error_handlers, check_token
 from kvpilot.runtime.server.metrics import ServerMetrics
 from kvpilot.runtime.server.openai_serving import OpenAIServing
@@ -64,23 +69,26 @@ class ServerConfig:
 class ServerState:
     """What the routes share: the engine front, metrics, and the draining flag."""
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig, engine_args: EngineArgs | None = None) -> None:
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig, engine_args: EngineArgs | None = None,
+                 engine_factory: Any = None) -> None:
         self.config = config
         self.engine_args = engine_args  # what /reload changes the model of; None: no reloads
         self.draining = False
         self.reloading = False
         self.started = False
-        self.device = engine.config.device.device
-        self.metrics = ServerMetrics(engine.config.model.served_model_name)
-        self.engine = AsyncEngine(engine, max_queue_len=config.max_queue_len, on_step=self.metrics.record)
-        self.serving = OpenAIServing(self.engine, engine.tokenizer, self.metrics.model_name, self._refusal)
-        self.set_model(engine)
+        self.device = engine_config.device.device
+        self.metrics = ServerMetrics(engine_config.model.served_model_name)
+        tokenizer = load_tokenizer(engine_config)
+        self.engine = AsyncEngine(engine_config, tokenizer, max_queue_len=config.max_queue_len,
+                                  on_step=self.metrics.record, engine_factory=engine_factory)
+        self.serving = OpenAIServing(self.engine, tokenizer, self.metrics.model_name, self._refusal)
+        self.set_model(engine_config, tokenizer)
 
-    def set_model(self, engine: LLMEngine) -> None:
-        self.model_name = engine.config.model.served_model_name
-        self.max_model_len = engine.config.model.max_model_len
+    def set_model(self, engine_config: EngineConfig, tokenizer: Tokenizer | None) -> None:
+        self.model_name = engine_config.model.served_model_name
+        self.max_model_len = engine_config.model.max_model_len
         self.serving.model_name = self.model_name
-        self.serving.tokenizer = engine.tokenizer
+        self.serving.tokenizer = tokenizer
         if self.metrics.model_name != self.model_name:
             self.metrics = ServerMetrics(self.model_name)
             self.engine.on_step = self.metrics.record
@@ -108,7 +116,7 @@ class ServerState:
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state.engine.start()
+        await state.engine.start()
         state.started = True
         log_task = None if state.config.disable_log_stats else asyncio.create_task(_log_stats(state))
         try:
@@ -172,8 +180,8 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
         }
         if not state.engine.is_alive:
             body["status"] = "error"
-            body["message"] = f"the engine loop is not running: {state.engine.error!r}"
-            return JSONResponse(body, status_code=500)
+            body["message"] = str(state.engine.error or "the engine core is not running")
+            return JSONResponse(body, status_code=503)
         warnings = []
         if snap.kv_cache_usage > KV_USAGE_WARN:
             warnings.append(f"KV cache {snap.kv_cache_usage:.0%} full: requests may be preempted")
@@ -270,9 +278,16 @@ class DrainingServer(uvicorn.Server):
             self._drain_task = asyncio.ensure_future(drain_then_exit())
 
 
-def make_server(engine: LLMEngine, config: ServerConfig, log_level: str = "info",
-                engine_args: EngineArgs | None = None) -> DrainingServer:
-    state = ServerState(engine, config, engine_args)
+def load_tokenizer(engine_config: EngineConfig) -> Tokenizer | None:
+    folder = engine_config.model.tokenizer
+    return Tokenizer(folder) if folder else None
+
+
+def make_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "info",
+                engine_args: EngineArgs | None = None, engine_factory: Any = None) -> DrainingServer:
+    """The server; its lifespan spawns the engine core from `engine_config` (built there by
+    `engine_factory(engine_config)`, default `LLMEngine`)."""
+    state = ServerState(engine_config, config, engine_args, engine_factory)
     uv_config = uvicorn.Config(build_app(state), host=config.host, port=config.port, log_level=log_level,
                                timeout_graceful_shutdown=max(1, int(config.drain_timeout)))
     return DrainingServer(uv_config, state)

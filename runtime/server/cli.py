@@ -49,10 +49,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpilot serve: error: {_as_flag(str(e))}", file=sys.stderr)
         return 2
 
-    from kvpilot.runtime.engine.engine import LLMEngine
     from kvpilot.runtime.server.app import make_server
 
-    server = make_server(LLMEngine(engine_config), server_config, log_level=args.log_level, engine_args=engine_args)
+    server = make_server(engine_config, server_config, log_level=args.log_level, engine_args=engine_args)
     server.run()
     return 0
 
