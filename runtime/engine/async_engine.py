@@ -293,6 +293,10 @@ class AsyncEngine:
         """`LLMEngine.update_config` in the core; raises its `ValueError`s."""
         return await self._call("update_config", changes)  # type: ignore[no-any-return]
 
+    async def device_memory(self) -> dict[str, Any]:
+        """The device memory the core sees (its process holds the model and the KV cache)."""
+        return await self._call("device_memory")  # type: ignore[no-any-return]
+
     async def _call(self, method: str, *args: Any) -> Any:
         self._check_alive()
         assert self._loop is not None, "start() first"

@@ -153,9 +153,28 @@ def _live_config(engine: Any) -> dict[str, Any]:
     return out
 
 
+def device_memory(device: str) -> dict[str, Any]:
+    """What /health shows of the device the engine runs on, measured in the core's process."""
+    if device == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return {"type": "cuda", "name": torch.cuda.get_device_name(), "memory_used_bytes": total - free,
+                "memory_total_bytes": total, "memory_allocated_bytes": torch.cuda.memory_allocated()}
+    rss = 0
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"type": "cpu", "process_rss_bytes": rss, "memory_total_bytes": total}
+
+
 UTILITIES: dict[str, Callable[..., Any]] = {
     "live_config": _live_config,
     "update_config": lambda engine, changes: engine.update_config(changes),
+    "device_memory": lambda engine: device_memory(engine.config.device.device),
 }
 
 

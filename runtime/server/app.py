@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -176,7 +175,7 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             "num_blocks": snap.num_blocks,
             "draining": state.draining,
             "reloading": state.reloading,
-            "device": _device_memory(state.device),
+            "device": await _device_memory(state),
         }
         if not state.engine.is_alive:
             body["status"] = "error"
@@ -211,21 +210,14 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
         return Response(state.metrics.expose(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _device_memory(device: str) -> dict[str, Any]:
-    if device == "cuda":
-        import torch
-
-        free, total = torch.cuda.mem_get_info()
-        return {"type": "cuda", "name": torch.cuda.get_device_name(), "memory_used_bytes": total - free,
-                "memory_total_bytes": total, "memory_allocated_bytes": torch.cuda.memory_allocated()}
-    rss = 0
+async def _device_memory(state: ServerState) -> dict[str, Any]:
+    """Measured by the engine core, whose process holds the model and the KV cache."""
+    if not state.engine.is_alive or state.reloading:
+        return {"type": state.device}
     try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        pass
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"type": "cpu", "process_rss_bytes": rss, "memory_total_bytes": total}
+        return await asyncio.wait_for(state.engine.device_memory(), timeout=2.0)  # type: ignore[no-any-return]
+    except Exception:  # noqa: BLE001 - a busy or dying core must not make /health hang or fail
+        return {"type": state.device}
 
 
 def _version() -> str:

@@ -1,0 +1,81 @@
+"""A stand-in for `LLMEngine` that the engine core can build in its process (tests of the async
+front): each request emits one token per step and finishes after NUM_TOKENS. The prompt decides
+the behaviour, since the fake lives in another process: "crash" makes the next step raise,
+"explode" fails admission with a non-ValueError, "hold" keeps the request waiting unscheduled,
+and "die" kills the core's process outright."""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import SimpleNamespace
+from typing import Any
+
+from kvpilot.runtime.engine.engine import RequestError
+from kvpilot.runtime.outputs import CompletionOutput, RequestOutput
+from kvpilot.runtime.sampling_params import SamplingParams
+
+NUM_TOKENS = 3
+TOKENS = {"hi": 1, "crash": 2, "explode": 3, "hold": 4, "die": 5}
+
+
+class FakeEngine:
+    def __init__(self, config: Any = None) -> None:
+        self.requests: dict[str, Any] = {}
+        self.scheduler = SimpleNamespace(running=[], waiting=[])
+        self.block_manager = SimpleNamespace(num_free_blocks=8, num_blocks=8, usage=0.0)
+        self.config = SimpleNamespace(
+            cache=SimpleNamespace(block_size=16, enable_prefix_caching=False),
+            scheduler=SimpleNamespace(preemption_mode="recompute"),
+            model=SimpleNamespace(max_model_len=64), device=SimpleNamespace(device="cpu"))
+        self.last_step = None
+        self.num_steps = 0
+        self.aborted: list[str] = []
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def live_config(self) -> dict[str, Any]:
+        return {"num_steps": self.num_steps, "aborted": self.aborted}
+
+    def update_config(self, changes: dict[str, Any]) -> dict[str, Any]:
+        raise ValueError("block_size: not here")
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        if prompt == [TOKENS["explode"]]:
+            raise KeyError("not a ValueError")
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        self.requests[request_id] = SimpleNamespace(
+            prompt=prompt, tokens=[], metrics=SimpleNamespace(first_scheduled_time=None))
+        self.block_manager.num_free_blocks -= 1
+
+    def abort_request(self, request_id: str, indices: Any = None) -> None:
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+            self.block_manager.num_free_blocks += 1
+
+    def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
+        outputs = []
+        for request_id, r in list(self.requests.items()):
+            if r.prompt == [TOKENS["crash"]]:
+                raise RuntimeError("boom")
+            if r.prompt == [TOKENS["die"]]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if r.prompt == [TOKENS["hold"]]:
+                continue
+            r.metrics.first_scheduled_time = 1.0
+            r.tokens.append(10 + len(r.tokens))
+            done = len(r.tokens) == NUM_TOKENS
+            outputs.append(RequestOutput(request_id, None, r.prompt, [CompletionOutput(
+                0, "", list(r.tokens), None, None, "length" if done else None)], done))
+            if done:
+                del self.requests[request_id]
+                self.block_manager.num_free_blocks += 1
+        return outputs
