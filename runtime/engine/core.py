@@ -199,7 +199,14 @@ def run_core(config: Any, input_addr: str, output_addr: str, max_queue_len: int 
              engine_factory: Callable[[Any], Any] | None = None, log_level: int = logging.INFO) -> None:
     """The core process's entry point (spawned by `AsyncEngine`)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    import signal
+
     import zmq
+
+    # Ctrl-C reaches the whole process group and a pod's SIGTERM may too: the API process decides
+    # when the core stops (after draining), so the core ignores both
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     parent = os.getppid()
     ctx = zmq.Context()
