@@ -11,6 +11,7 @@ import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from pathlib import Path
 
 import httpx
 import pytest
@@ -112,3 +113,50 @@ def test_killing_the_core_fails_every_open_request_and_health_at_once(server: Ru
     assert httpx.get(f"{base}/ready").status_code == 503
     refused = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30)
     assert refused.status_code == 500 and refused.json()["error"]["code"] == "engine_dead"
+
+
+def test_tensor_parallel_serving_in_the_core_equals_offline_tp1(tiny_models) -> None:
+    """The core starts the tensor-parallel workers itself; live re-tuning reaches every rank; and
+    stopping the server stops the core and its workers."""
+    from kvpilot.runtime import LLM
+
+    folder, _ = tiny_models["llama"]
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+    single = LLM(folder, max_model_len=256).generate({"prompt_token_ids": prompt},
+                                                   SamplingParams(temperature=0, max_tokens=12))[0]
+    running = start_server({"model": folder, "max_model_len": 256, "tensor_parallel_size": 2}, admin_token="t")
+    try:
+        core = running.state.engine.core_pid
+        workers = _children(core)
+        assert len(workers) == 1  # the rank-1 worker
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0}
+
+        def served_ids() -> list[int]:
+            reply = httpx.post(f"{running.base_url}/v1/completions", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            # no tokenizer: each token shows as "<id>"
+            return [int(t[1:-1]) for t in reply.json()["choices"][0]["logprobs"]["tokens"]]
+
+        assert served_ids() == single.outputs[0].token_ids
+        changed = httpx.post(f"{running.base_url}/admin/config", json={"block_size": 8},
+                             headers={"Authorization": "Bearer t"}, timeout=120)
+        assert changed.status_code == 200 and changed.json()["config"]["block_size"] == 8
+        assert served_ids() == single.outputs[0].token_ids
+    finally:
+        running.stop()
+    assert not any(_alive(pid) for pid in [core, *workers])
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return [c for c in out if "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_text()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
