@@ -224,6 +224,9 @@ def run_core(config: Any, input_addr: str, output_addr: str, max_queue_len: int 
             engine_factory = LLMEngine
         engine = engine_factory(config)
         engine.detokenize = False
+        # the step hands back its touched `Request`s as they are: the core reads only their new
+        # tokens, instead of copying every sample's whole output into a `RequestOutput` each step
+        engine.make_output = _as_is
         core = EngineCore(engine, max_queue_len, inbox, lambda msg: outbox.send(encoder.encode(msg)), parent)
         outbox.send(encoder.encode(Ready(core.snapshot(), os.getpid())))
         core.run()
@@ -252,7 +255,8 @@ class EngineCore:
         self.send = send
         self.parent_pid = parent_pid
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
-        self._sent: dict[str, list[int]] = {}  # request id -> tokens sent, per sample
+        # request id -> per sample, the output tokens sent (None once its end was sent)
+        self._sent: dict[str, list[int | None]] = {}
         self._wants_logprobs: set[str] = set()
 
     def run(self) -> None:
@@ -321,7 +325,7 @@ class EngineCore:
         except Exception as error:  # noqa: BLE001 - any failure goes back to the caller, never hangs it
             kind, message = error_kind(error)
             return Ack(msg.request_id, kind, message)
-        self._sent[msg.request_id] = [0] * params.n
+        self._sent[msg.request_id] = [0] * len(self.engine.requests[msg.request_id].seqs)
         if params.logprobs is not None:
             self._wants_logprobs.add(msg.request_id)
         return Ack(msg.request_id)
@@ -343,33 +347,35 @@ class EngineCore:
 
     # ---- outputs ---------------------------------------------------------------------------
 
-    def _deltas(self, outputs: list[Any]) -> list[RequestDelta]:
+    def _deltas(self, requests: list[Any]) -> list[RequestDelta]:
+        """What the step added to each touched `Request` (sequence.py)."""
         deltas = []
-        for out in outputs:
-            sent = self._sent.get(out.request_id)
+        for request in requests:
+            sent = self._sent.get(request.request_id)
             if sent is None:  # aborted meanwhile
                 continue
-            logprobs = out.request_id in self._wants_logprobs
+            logprobs = request.request_id in self._wants_logprobs
             seqs = []
-            for c in out.outputs:
-                start = sent[c.index]
-                new = c.token_ids[start:]
-                if not new and c.finish_reason is None:
+            for seq in request.seqs:
+                start = sent[seq.index]
+                if start is None:  # its end was reported
                     continue
-                sent[c.index] = start + len(new)
+                new = seq.token_ids[seq.num_prompt_tokens + start:]
+                if not new and seq.finish_reason is None:
+                    continue
+                sent[seq.index] = None if seq.finish_reason is not None else start + len(new)
                 lps = None
-                if logprobs and c.logprobs is not None:
-                    lps = [[(tid, lp.logprob, lp.rank) for tid, lp in entry.items()] for entry in c.logprobs[start:]]
-                stop = c.stop_reason if isinstance(c.stop_reason, int) else None
-                seqs.append(SeqDelta(c.index, new, lps, c.finish_reason, stop))
-            m = out.metrics
+                if logprobs:
+                    lps = [[(tid, lp.logprob, lp.rank) for tid, lp in entry.items()] for entry in seq.logprobs[start:]]
+                stop = seq.stop_reason if isinstance(seq.stop_reason, int) else None
+                seqs.append(SeqDelta(seq.index, new, lps, seq.finish_reason, stop))
+            m = request.metrics
+            finished = request.is_finished
             deltas.append(RequestDelta(
-                out.request_id, seqs,
-                m.first_scheduled_time if m else None, m.first_token_time if m else None,
-                m.last_token_time if m else None, m.finished_time if m else None,
-                out.num_cached_tokens, out.finished))
-            if out.finished:
-                self._forget(out.request_id)
+                request.request_id, seqs, m.first_scheduled_time, m.first_token_time, m.last_token_time,
+                m.finished_time, max(seq.num_cached_tokens for seq in request.seqs), finished))
+            if finished:
+                self._forget(request.request_id)
         return deltas
 
     def _num_waiting_requests(self) -> int:
@@ -392,6 +398,10 @@ class EngineCore:
             preemption_mode=sched.preemption_mode,
             enable_prefix_caching=cache.enable_prefix_caching,
         )
+
+
+def _as_is(request: Any) -> Any:
+    return request
 
 
 def _stats_msg(stats: Any) -> StepStatsMsg | None:

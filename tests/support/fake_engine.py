@@ -12,7 +12,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvpilot.runtime.engine.engine import RequestError
-from kvpilot.runtime.outputs import CompletionOutput, RequestOutput
+from kvpilot.runtime.engine.sequence import Request, SequenceStatus
+from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 
 NUM_TOKENS = 3
@@ -51,8 +52,7 @@ class FakeEngine:
             raise KeyError("not a ValueError")
         if not prompt:
             raise RequestError("the prompt is empty")
-        self.requests[request_id] = SimpleNamespace(
-            prompt=prompt, tokens=[], metrics=SimpleNamespace(first_scheduled_time=None))
+        self.requests[request_id] = Request(request_id, None, list(prompt), params, arrival_time or 0.0, priority)
         self.block_manager.num_free_blocks -= 1
 
     def abort_request(self, request_id: str, indices: Any = None) -> None:
@@ -61,21 +61,26 @@ class FakeEngine:
             self.block_manager.num_free_blocks += 1
 
     def step(self) -> list[RequestOutput]:
+        """Returns what `LLMEngine.step` returns with `make_output` replaced, as the core does."""
         self.num_steps += 1
         outputs = []
         for request_id, r in list(self.requests.items()):
-            if r.prompt == [TOKENS["crash"]]:
+            if r.prompt_token_ids == [TOKENS["crash"]]:
                 raise RuntimeError("boom")
-            if r.prompt == [TOKENS["die"]]:
+            if r.prompt_token_ids == [TOKENS["die"]]:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if r.prompt == [TOKENS["hold"]]:
+            if r.prompt_token_ids == [TOKENS["hold"]]:
                 continue
             r.metrics.first_scheduled_time = 1.0
-            r.tokens.append(10 + len(r.tokens))
-            done = len(r.tokens) == NUM_TOKENS
-            outputs.append(RequestOutput(request_id, None, r.prompt, [CompletionOutput(
-                0, "", list(r.tokens), None, None, "length" if done else None)], done))
-            if done:
+            seq = r.seqs[0]
+            seq.token_ids.append(10 + seq.num_output_tokens)
+            if seq.num_output_tokens == NUM_TOKENS:
+                seq.finish_reason, seq.status = "length", SequenceStatus.FINISHED
                 del self.requests[request_id]
                 self.block_manager.num_free_blocks += 1
+            outputs.append(self.make_output(r))
         return outputs
+
+    @staticmethod
+    def make_output(request: Request) -> RequestOutput:
+        raise AssertionError("the core replaces make_output")
