@@ -325,7 +325,7 @@ class AsyncEngine:
         assert self._output is not None
         try:
             while True:
-                msg = self._decoder.decode(await self._output.recv(copy=False))
+                msg = self._decoder.decode(await self._output.recv())
                 if isinstance(msg, CoreOutputs):
                     self._on_outputs(msg)
                 elif isinstance(msg, UtilityResult):

@@ -115,7 +115,11 @@ class ServerState:
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await state.engine.start()
+        try:
+            await state.engine.start()
+        except BaseException:
+            await state.engine.stop()
+            raise
         state.started = True
         log_task = None if state.config.disable_log_stats else asyncio.create_task(_log_stats(state))
         try:

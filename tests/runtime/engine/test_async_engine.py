@@ -9,7 +9,7 @@ import signal
 from typing import Any
 
 import pytest
-from fake_engine import NUM_TOKENS, TOKENS, FakeEngine
+from fake_engine import TOKENS, FakeEngine
 
 from kvpilot.runtime.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from kvpilot.runtime.engine.engine import RequestError
