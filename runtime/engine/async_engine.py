@@ -1,81 +1,62 @@
-"""`AsyncEngine`: the asyncio front of `LLMEngine`.
+"""`AsyncEngine`: the asyncio front of the engine core, in the API process.
 
-The engine is not thread-safe, so it lives on one dedicated thread (the *engine thread*) that
-runs the step loop. The event loop talks to it only through a thread-safe *inbox* of commands
-(add, abort, call), which the engine thread applies between steps; outputs travel back through
-`loop.call_soon_threadsafe` into one asyncio queue per request (a *stream*). With no work the
-engine thread blocks on the inbox instead of spinning.
+`start()` spawns the engine core (core.py) as its own process and waits until it has built its
+`LLMEngine`; from then on the event loop sends it commands (add, abort, utility calls) and one
+reader task receives its per-step messages, turns the token ids into `RequestOutput`s
+(output_processor.py: detokenizing, stop strings) and puts each into its request's asyncio queue
+(a *stream*). Prompts are tokenized here, so the core sees token ids only.
 
-If the step loop raises, the engine is *dead*: every pending stream and every later request
-fails with `EngineDeadError`, and `/health` reports it, instead of requests hanging forever.
+The core is *dead* when its step loop raises (it says why before exiting) or its process exits
+unasked (killed, out of memory): every open stream and every later request fails at once with
+`EngineDeadError`, and `/health` reports it, instead of requests hanging. The core exits by
+itself when this process disappears.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import dataclasses
 import itertools
 import logging
-import queue
-import threading
+import multiprocessing
+import shutil
+import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.runtime.engine.engine import LLMEngine, StepStats
-from kvpilot.runtime.engine.scheduler import Scheduler
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvpilot.runtime.engine.core import (
+    AbortRequests,
+    AddRequest,
+    CoreDead,
+    CoreOutput,
+    CoreOutputs,
+    EngineSnapshot,
+    FinishSeqs,
+    QueueFullError,
+    Ready,
+    Shutdown,
+    StepStatsMsg,
+    UtilityCall,
+    UtilityResult,
+    run_core,
+)
+from kvpilot.runtime.engine.engine import RequestError
+from kvpilot.runtime.engine.output_processor import OutputProcessor
 from kvpilot.runtime.engine.sequence import DEFAULT_TENANT
+from kvpilot.runtime.engine.tokenizer import Tokenizer
+from kvpilot.runtime.errors import EngineDeadError
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has crashed; no request can be served."""
-
-
-class QueueFullError(RuntimeError):
-    """More requests wait for scheduling than `--max-queue-len` allows."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's state after the latest step or command, read by other threads."""
-
-    num_requests: int = 0
-    num_running_seqs: int = 0
-    num_waiting_seqs: int = 0
-    num_swapped_seqs: int = 0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-    kv_cache_usage: float = 0.0
-    waiting_requests_by_tenant: dict[str, int] = field(default_factory=dict)  # waiting or swapped out
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
-    tenant: str
-    admitted: asyncio.Future[None]
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    result: asyncio.Future[Any]
-
-
-_STOP = object()
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineSnapshot", "QueueFullError", "RequestStream", "StepHook"]
 
 
 @dataclass
@@ -96,99 +77,194 @@ class RequestStream:
                 return
 
 
-# Called on the engine thread after every step (with its stats) and after commands (stats None).
-StepHook = Callable[[LLMEngine, list[RequestOutput], EngineSnapshot, StepStats | None], None]
+# Called on the event loop for every message from the core: the outputs it produced, the core's
+# snapshot, the step's stats (None after commands) and the ids of the requests still open.
+StepHook = Callable[[list[RequestOutput], EngineSnapshot, StepStatsMsg | None, Collection[str]], None]
+
+# how long after the core's process exits unasked to wait for its last words (CoreDead) before
+# failing everything with the exit code alone
+_DEATH_GRACE_S = 0.1
+_STOP_TIMEOUT_S = 30.0
+
+
+def _error(kind: str | None, message: str) -> BaseException:
+    if kind == "queue_full":
+        return QueueFullError(message)
+    if kind == "request":
+        return RequestError(message)
+    if kind == "value":
+        return ValueError(message)
+    return RuntimeError(message)
+
+
+def _params_fields(params: SamplingParams) -> dict[str, Any]:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None,
-                 on_step: StepHook | None = None) -> None:
-        self.engine = engine
+    """`config` is the `EngineConfig` the core builds its engine from; `engine_factory(config)`
+    (a picklable callable, default `LLMEngine`) builds it in the core process."""
+
+    def __init__(self, config: Any, tokenizer: Tokenizer | None = None, max_queue_len: int | None = None,
+                 on_step: StepHook | None = None, engine_factory: Callable[[Any], Any] | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
         self.max_queue_len = max_queue_len
         self.on_step = on_step
+        self.engine_factory = engine_factory
         self.error: BaseException | None = None
-        self.snapshot = self._take_snapshot()
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # touched only on the event loop
+        self.snapshot = EngineSnapshot()
+        self.core_pid: int | None = None
+        self._processor = OutputProcessor(tokenizer)
+        self._streams: dict[str, RequestStream] = {}
+        self._admissions: dict[str, asyncio.Future[None]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreOutput)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._input: zmq.asyncio.Socket | None = None
+        self._output: zmq.asyncio.Socket | None = None
+        self._ipc_dir: str | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._ready: asyncio.Future[None] | None = None
+        self._stopping = False
+        self._restarting = False
 
-    # ---- lifecycle (event loop) ------------------------------------------------------------
+    # ---- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
-        self._thread.start()
+    async def start(self) -> None:
+        """Spawn the engine core and wait until its engine is built; raises `EngineDeadError` if
+        it fails to start."""
+        loop = self._loop = asyncio.get_running_loop()
+        self.error = None
+        self._stopping = False
+        self._ipc_dir = tempfile.mkdtemp(prefix="kvpilot-core-")
+        ctx = self._ctx = zmq.asyncio.Context()
+        self._input = ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(f"ipc://{self._ipc_dir}/input")
+        self._output = ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(f"ipc://{self._ipc_dir}/output")
+        self._ready = loop.create_future()
+        # not a daemon: the core starts its own processes for tensor parallelism
+        proc = self._proc = multiprocessing.get_context("spawn").Process(
+            target=run_core, name="kvpilot-engine-core", daemon=False,
+            args=(self.config, f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output", self.max_queue_len,
+                  self.engine_factory, logging.getLogger("kvpilot").getEffectiveLevel()))
+        proc.start()
+        self.core_pid = proc.pid
+        loop.add_reader(proc.sentinel, self._on_core_exit, proc)
+        self._reader = asyncio.create_task(self._read_loop())
+        try:
+            await self._ready
+        finally:
+            self._ready = None
+        logger.info("engine core ready (pid %d)", proc.pid)
 
     async def stop(self) -> None:
-        if self._thread is None:
+        """Stop the core (it frees its device memory and tensor-parallel workers) and close."""
+        proc = self._proc
+        if proc is None:
             return
-        self._inbox.put(_STOP)
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        self._thread = None
+        self._stopping = True
+        assert self._loop is not None
+        self._loop.remove_reader(proc.sentinel)
+        if proc.is_alive() and self._input is not None:
+            self._send(Shutdown())
+            await self._loop.run_in_executor(None, proc.join, _STOP_TIMEOUT_S)
+            if proc.is_alive():
+                logger.warning("the engine core did not stop in %.0f s: killing it", _STOP_TIMEOUT_S)
+                proc.kill()
+                await self._loop.run_in_executor(None, proc.join)
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        for sock in (self._input, self._output):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self._proc = self._ctx = self._input = self._output = self._ipc_dir = None
+
+    async def reload(self, config: Any, tokenizer: Tokenizer | None) -> None:
+        """Replace the core by one built from `config`, while no request is in flight. The old core
+        exits (releasing its memory) before the new one starts; if the new one fails, the old
+        configuration is started again and the error is raised."""
+        old = (self.config, self.tokenizer)
+        self._restarting = True
+        try:
+            await self.stop()
+            self._use(config, tokenizer)
+            try:
+                await self.start()
+            except BaseException:
+                await self.stop()
+                self._use(*old)
+                await self.start()
+                raise
+        finally:
+            self._restarting = False
+
+    def _use(self, config: Any, tokenizer: Tokenizer | None) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self._processor = OutputProcessor(tokenizer)
 
     @property
     def is_alive(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        if self._restarting:
+            return self.error is None
+        return self.error is None and self._proc is not None and self._proc.is_alive()
 
     @property
     def num_pending_requests(self) -> int:
         """Requests admitted and not yet finished (streams still open)."""
         return len(self._streams)
 
-    # ---- requests (event loop) -------------------------------------------------------------
+    # ---- requests --------------------------------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams, priority: int = 0,
-                          tenant: str = DEFAULT_TENANT) -> RequestStream:
-        """Admit a request; raises `RequestError`, `QueueFullError` or `EngineDeadError`."""
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          priority: int = 0, tenant: str = DEFAULT_TENANT) -> RequestStream:
+        """Admit a request; raises `RequestError`, `QueueFullError`, `ValueError` or `EngineDeadError`."""
         self._check_alive()
         assert self._loop is not None, "start() first"
+        if request_id in self._streams:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: pass prompt_token_ids instead of text")
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        arrival = time.time()
         stream = RequestStream(request_id)
         admitted: asyncio.Future[None] = self._loop.create_future()
+        self._admissions[request_id] = admitted
         self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, prompt, params, priority, tenant, admitted))
+        self._processor.add(request_id, text, token_ids, params, arrival, priority)
+        self._send(AddRequest(request_id, token_ids, _params_fields(params), arrival, priority, tenant))
         try:
             await admitted
         except BaseException:
-            self._streams.pop(request_id, None)
-            if not admitted.done() or admitted.cancelled():
-                self._inbox.put(_Abort(request_id))
+            self._admissions.pop(request_id, None)
+            self._processor.remove(request_id)
+            if self._streams.pop(request_id, None) is not None and admitted.cancelled():
+                self._send(AbortRequests([request_id]))
             raise
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; its blocks are freed before the next step."""
+        """Stop a request; the core frees its blocks before its next step."""
         if self._streams.pop(request_id, None) is not None:
-            self._inbox.put(_Abort(request_id))
-
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run `fn(engine)` on the engine thread between steps and return its result."""
-        self._check_alive()
-        assert self._loop is not None, "start() first"
-        result: asyncio.Future[Any] = self._loop.create_future()
-        self._inbox.put(_Call(fn, result))
-        return await result
-
-    async def swap_engine(self, build: Callable[[], LLMEngine]) -> None:
-        """Replace the engine, on the engine thread, while no request is in flight. The old engine
-        is released before `build` runs, so two never hold device memory at once; if `build`
-        fails, the old configuration is loaded again and the error is raised."""
-        def swap(old: LLMEngine) -> None:
-            from kvpilot.runtime.engine.engine import LLMEngine
-
-            old_config = old.config
-            self.engine = None  # type: ignore[assignment]
-            del old
-            _release_memory()
-            try:
-                self.engine = build()
-            except BaseException:
-                _release_memory()
-                self.engine = LLMEngine(old_config)
-                raise
-
-        await self.call(swap)
+            self._processor.remove(request_id)
+            if self.error is None and self._input is not None:
+                self._send(AbortRequests([request_id]))
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no admitted request is left; False if `timeout` passes first."""
@@ -205,141 +281,132 @@ class AsyncEngine:
             stream.queue.put_nowait(EngineDeadError("the server shut down before this request finished"))
             self.abort(request_id)
 
+    # ---- utility calls (run in the core between steps) -------------------------------------
+
+    async def live_config(self) -> dict[str, Any]:
+        """The live tunables, plus max_model_len and num_blocks."""
+        return await self._call("live_config")  # type: ignore[no-any-return]
+
+    async def update_config(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """`LLMEngine.update_config` in the core: {"applied": what changed, "relayout": the cost of a
+        block-size change (`RelayoutReport.as_dict()`) or None}; raises its `ValueError`s."""
+        return await self._call("update_config", changes)  # type: ignore[no-any-return]
+
+    async def device_memory(self) -> dict[str, Any]:
+        """The device memory the core sees (its process holds the model and the KV cache)."""
+        return await self._call("device_memory")  # type: ignore[no-any-return]
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        self._check_alive()
+        assert self._loop is not None, "start() first"
+        call_id = next(self._call_ids)
+        result: asyncio.Future[Any] = self._loop.create_future()
+        self._calls[call_id] = result
+        self._send(UtilityCall(call_id, method, list(args)))
+        try:
+            return await result
+        finally:
+            self._calls.pop(call_id, None)
+
+    # ---- plumbing --------------------------------------------------------------------------
+
     def _check_alive(self) -> None:
         if self.error is not None:
-            raise EngineDeadError(f"the engine loop crashed: {self.error!r}")
+            raise EngineDeadError(str(self.error))
+        if self._proc is None:
+            raise EngineDeadError("the engine core is not running")
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
+    def _send(self, msg: Any) -> None:
+        assert self._input is not None
+        self._input.send(self._encoder.encode(msg), copy=False)
+
+    async def _read_loop(self) -> None:
+        assert self._output is not None
+        try:
+            while True:
+                msg = self._decoder.decode(await self._output.recv())
+                if isinstance(msg, CoreOutputs):
+                    self._on_outputs(msg)
+                elif isinstance(msg, UtilityResult):
+                    future = self._calls.get(msg.call_id)
+                    if future is not None and not future.done():
+                        if msg.error is None:
+                            future.set_result(msg.value)
+                        else:
+                            future.set_exception(_error(msg.error, msg.message))
+                elif isinstance(msg, Ready):
+                    self.snapshot = msg.snapshot
+                    self._publish([], None)
+                    if self._ready is not None and not self._ready.done():
+                        self._ready.set_result(None)
+                elif isinstance(msg, CoreDead):
+                    self._fail(EngineDeadError(f"the engine core crashed: {msg.message}"))
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a broken message must not leave requests hanging
+            logger.exception("reading the engine core's messages failed")
+            self._fail(EngineDeadError(f"the engine core's messages could not be read: {error!r}"))
+
+    def _on_outputs(self, msg: CoreOutputs) -> None:
+        for ack in msg.acks:
+            future = self._admissions.pop(ack.request_id, None)
+            if future is None or future.done():
+                continue
+            if ack.error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(_error(ack.error, ack.message))
+        outputs: list[RequestOutput] = []
+        for delta in msg.outputs:
+            stream = self._streams.get(delta.request_id)
             if stream is None:  # aborted meanwhile
                 continue
+            out, stopped = self._processor.process(delta)
+            if out is None:
+                continue
+            if stopped and not out.finished:
+                self._send(FinishSeqs(delta.request_id, stopped))
+            elif out.finished and not delta.finished:
+                self._send(AbortRequests([delta.request_id]))  # ended here at a stop string
+            outputs.append(out)
             stream.queue.put_nowait(out)
             if out.finished:
                 stream.finished = True
-                del self._streams[out.request_id]
+                del self._streams[delta.request_id]
+        self.snapshot = msg.snapshot
+        self._publish(outputs, msg.stats)
 
-    def _fail_all(self, error: BaseException) -> None:
-        dead = EngineDeadError(f"the engine loop crashed: {error!r}")
-        for stream in self._streams.values():
-            stream.queue.put_nowait(dead)
-        self._streams.clear()
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(cmd, _Add | _Call):
-                future = cmd.admitted if isinstance(cmd, _Add) else cmd.result
-                if not future.done():
-                    future.set_exception(dead)
-
-    # ---- the engine thread -----------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            self._publish([], None)
-            while True:
-                if not self._apply_commands(block=not self.engine.has_unfinished_requests()):
-                    return
-                if not self.engine.has_unfinished_requests():
-                    self._publish([], None)
-                    continue
-                outputs = self.engine.step()
-                self._publish(outputs, self.engine.last_step)
-                if outputs:
-                    assert self._loop is not None
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
-                elif self.engine.last_step is None:
-                    time.sleep(0.001)  # nothing schedulable this instant; don't spin hot
-        except BaseException as error:  # noqa: BLE001 - any crash must fail requests, not hang them
-            logger.exception("the engine loop crashed")
-            self.error = error
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._fail_all, error)
-
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply every queued command; False when asked to stop."""
-        while True:
-            try:
-                cmd = self._inbox.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if cmd is _STOP:
-                return False
-            if isinstance(cmd, _Add):
-                self._apply_add(cmd)
-            elif isinstance(cmd, _Abort):
-                self.engine.abort_request(cmd.request_id)
-            elif isinstance(cmd, _Call):
-                self._apply_call(cmd)
-
-    def _apply_add(self, cmd: _Add) -> None:
-        error: BaseException | None = None
-        if self.max_queue_len is not None and self._num_queued_requests() >= self.max_queue_len:
-            error = QueueFullError(
-                f"the server's queue is full ({self.max_queue_len} requests waiting); retry later")
-        else:
-            try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
-                                        tenant=cmd.tenant)
-            except Exception as e:  # noqa: BLE001 - any failure goes back to the caller, never hangs it
-                error = e
-        self._resolve(cmd.admitted, None, error)
-
-    def _apply_call(self, cmd: _Call) -> None:
-        try:
-            value, error = cmd.fn(self.engine), None
-        except Exception as e:  # noqa: BLE001 - handed back to the caller
-            value, error = None, e
-        self._resolve(cmd.result, value, error)
-        self._publish([], None)
-
-    def _resolve(self, future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
-        def settle() -> None:
-            if future.done():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(value)
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(settle)
-
-    def _num_queued_requests(self) -> int:
-        return sum(1 for r in self.engine.requests.values() if r.metrics.first_scheduled_time is None)
-
-    def _take_snapshot(self) -> EngineSnapshot:
-        e = self.engine
-        bm = e.block_manager
-        return EngineSnapshot(
-            num_requests=e.num_unfinished_requests,
-            num_running_seqs=len(e.scheduler.running),
-            num_waiting_seqs=len(e.scheduler.waiting),
-            num_swapped_seqs=len(getattr(e.scheduler, "swapped", ())),
-            num_free_blocks=bm.num_free_blocks,
-            num_blocks=bm.num_blocks,
-            kv_cache_usage=bm.usage,
-            waiting_requests_by_tenant=_waiting_by_tenant(e.scheduler),
-        )
-
-    def _publish(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
-        self.snapshot = self._take_snapshot()
+    def _publish(self, outputs: list[RequestOutput], stats: StepStatsMsg | None) -> None:
         if self.on_step is not None:
-            self.on_step(self.engine, outputs, self.snapshot, stats)
+            try:
+                self.on_step(outputs, self.snapshot, stats, self._streams.keys())
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                logger.exception("the step hook failed")
 
+    def _on_core_exit(self, proc: multiprocessing.process.BaseProcess) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(proc.sentinel)
+        if self._stopping or proc is not self._proc:
+            return
+        proc.join(0)
 
-def _waiting_by_tenant(scheduler: Scheduler) -> dict[str, int]:
-    waiting = {s.request for s in itertools.chain(scheduler.waiting, scheduler.swapped)}
-    return dict(collections.Counter(r.tenant for r in waiting))
+        def declare() -> None:
+            if proc is self._proc and not self._stopping:
+                self._fail(EngineDeadError(f"the engine core process exited unexpectedly (exit code {proc.exitcode})"))
+        # give the reader a moment for the core's last words (CoreDead), which name the cause
+        self._loop.call_later(_DEATH_GRACE_S, declare)
 
-
-def _release_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    def _fail(self, error: EngineDeadError) -> None:
+        if self.error is not None:
+            return
+        logger.error("%s", error)
+        self.error = error
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        self._streams.clear()
+        for future in [*self._admissions.values(), *self._calls.values(), self._ready]:
+            if future is not None and not future.done():
+                future.set_exception(error)
+        self._admissions.clear()
+        self._publish([], None)

@@ -12,7 +12,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Concatenate, ParamSpec, TypeVar
 
@@ -132,6 +132,10 @@ class LLMEngine:
         self._finished_seq_ids: list[int] = []  # for the runner to forget, with the next step
         self.last_step: StepStats | None = None
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())
+        # False in `kvpilot serve`'s engine core: the API process detokenizes and checks stop strings
+        self.detokenize = True
+        # False in `kvpilot serve`'s engine core: the API process detokenizes and checks stop strings
+        self.detokenize = True
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.runner.num_blocks,
                     config.cache.block_size, self.runner.num_blocks * self.runner.bytes_per_block / (1 << 30))
 
@@ -176,12 +180,17 @@ class LLMEngine:
         if bad:
             raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its blocks; unknown ids are ignored."""
-        request = self.requests.pop(request_id, None)
+    def abort_request(self, request_id: str, indices: Collection[int] | None = None) -> None:
+        """Stop a request now and free its blocks; unknown ids are ignored. With `indices`, only
+        those samples stop (a stop string the API process found); the request ends with its last."""
+        request = self.requests.get(request_id)
         if request is None:
             return
+        if indices is None or all(seq.is_finished or seq.index in indices for seq in request.seqs):
+            del self.requests[request_id]
         for seq in request.seqs:
+            if indices is not None and seq.index not in indices:
+                continue
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
@@ -325,7 +334,7 @@ class LLMEngine:
             seq.token_ids.append(token)
             if lp is not None:
                 self._record_logprobs(seq, token, lp)
-            new_text = self.tokenizer.detokenize_step(seq) if self.tokenizer is not None else ""
+            new_text = self.tokenizer.detokenize_step(seq) if self.detokenize and self.tokenizer else ""
             self._check_stop(seq, token, len(new_text))
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
@@ -345,7 +354,7 @@ class LLMEngine:
 
     def _record_logprobs(self, seq: Sequence, token: int, lp: tuple[float, int, list[tuple[int, float]]]) -> None:
         value, rank, top = lp
-        decode = self.tokenizer.convert_id if self.tokenizer else (lambda _t: None)
+        decode = self.tokenizer.convert_id if self.detokenize and self.tokenizer else (lambda _t: None)
         entry = {token: Logprob(value, rank, decode(token))}
         for r, (tid, tlp) in enumerate(top, start=1):
             entry.setdefault(tid, Logprob(tlp, r, decode(tid)))
@@ -368,7 +377,8 @@ class LLMEngine:
         if (p.max_tokens is not None and num_out >= p.max_tokens) or seq.num_tokens >= max_len:
             seq.finish_reason = "length"
 
-    def _cut_stop_string(self, seq: Sequence, num_new_chars: int) -> bool:
+    @staticmethod
+    def _cut_stop_string(seq: Sequence, num_new_chars: int) -> bool:
         """End the sequence at the first stop string in its text; the text is cut there."""
         p = seq.params
         longest = max(len(s) for s in p.stop_strings)
@@ -386,7 +396,8 @@ class LLMEngine:
         seq.finish_reason, seq.stop_reason = "stop", stop
         return True
 
-    def make_output(self, request: Request) -> RequestOutput:
+    @staticmethod
+    def make_output(request: Request) -> RequestOutput:
         completions = []
         for seq in request.seqs:
             text = seq.text

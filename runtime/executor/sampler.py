@@ -5,6 +5,11 @@ exponential-race trick (argmax of p / E, E ~ Exp(1)), which equals sampling from
 seeded sequence draw its noise from its own generator, so its tokens do not depend on what else
 is in the batch. Logprobs are those of the model's raw distribution (before penalties and
 temperature), as vLLM reports them.
+
+Everything stays on the device until one copy brings the step's results to the host: the sampled
+tokens and, for rows that asked, each one's logprob, rank and top alternatives, packed into one
+float64 tensor (token ids are exact in float64). A filter's switches come from the host-side
+parameters, never from a device value, so no other synchronisation happens.
 """
 
 from __future__ import annotations
@@ -70,8 +75,8 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-    if bool((min_p > 0).any()):
+    if any(r.params.min_p > 0 for r in rows):
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
@@ -96,18 +101,29 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
         for j, i in enumerate(random_rows):
             noise[j].exponential_(generator=generators[i] if generators else None)
         chosen[idx] = (probs / noise).argmax(dim=-1)
-    token_ids = chosen.tolist()
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * len(rows)
-    if raw_logprobs is not None:
-        for i, row in enumerate(rows):
-            if row.params.logprobs is None:
-                continue
-            lp = raw_logprobs[i]
-            token_lp = lp[token_ids[i]]
-            rank = int((lp > token_lp).sum().item()) + 1
-            top: list[tuple[int, float]] = []
-            if row.params.logprobs:
-                vals, ids = lp.topk(row.params.logprobs)
-                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-            logprobs[i] = (float(token_lp), rank, top)
+    if raw_logprobs is None:
+        return SampleResult(token_ids=to_host(chosen).tolist(), logprobs=logprobs)
+    # rows with logprobs: the sampled token's logprob and rank, and the top-k of the widest ask
+    wanted = [i for i, w in enumerate(want_logprobs) if w]
+    idx = torch.tensor(wanted, device=logits.device)
+    lp = raw_logprobs[idx]
+    token_lp = lp.gather(1, chosen[idx][:, None])
+    rank = (lp > token_lp).sum(dim=1, keepdim=True) + 1
+    k = max(rows[i].params.logprobs or 0 for i in wanted)
+    vals, ids = lp.topk(k, dim=1)
+    packed = torch.cat([token_lp.double(), rank.double(), vals.double(), ids.double()], dim=1)
+    host = to_host(torch.cat([chosen.double(), packed.flatten()]))
+    n = len(rows)
+    token_ids = host[:n].long().tolist()
+    for j, row_values in enumerate(host[n:].view(len(wanted), 2 + 2 * k).tolist()):
+        i = wanted[j]
+        want = rows[i].params.logprobs or 0
+        top = [(int(t), v) for t, v in zip(row_values[2 + k:2 + k + want], row_values[2:2 + want], strict=True)]
+        logprobs[i] = (row_values[0], int(row_values[1]), top)
     return SampleResult(token_ids=token_ids, logprobs=logprobs)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """The step's one device-to-host copy."""
+    return t.cpu()

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
-from kvpilot.runtime.engine.engine import LLMEngine
 from kvpilot.runtime.server.errors import check_token
 from kvpilot.runtime.server.protocol import APIError
 
@@ -31,7 +30,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/admin/config")
     async def get_config(request: Request) -> dict[str, Any]:
         authorize(request)
-        return await state.engine.call(_live_config)
+        return await state.engine.live_config()
 
     @app.post("/admin/config")
     async def post_config(request: Request) -> dict[str, Any]:
@@ -41,18 +40,19 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "send a JSON object of tunables, e.g. {\"block_size\": 32}", code="invalid_value")
         started = time.perf_counter()
         try:
-            applied, relayout = await state.engine.call(lambda engine: _apply(engine, changes))
+            result = await state.engine.update_config(changes)
         except ValueError as e:
             message = str(e)
             head = message.partition(":")[0]
             raise APIError(400, message, param=head if head.isidentifier() else None, code="invalid_value") from None
         duration = time.perf_counter() - started
+        applied = result["applied"]
         if applied:
             state.metrics.record_config_change()
-        config = await state.engine.call(_live_config)
+        config = await state.engine.live_config()
         # a block-size change re-lays the KV cache between steps: its pause, the bytes it moved
         # and the requests it had to recompute (none unless the new cut could not hold them)
-        return {"applied": applied, "duration_s": round(duration, 6), "config": config, "relayout": relayout}
+        return {"applied": applied, "duration_s": round(duration, 6), "config": config, "relayout": result["relayout"]}
 
     @app.post("/reload")
     async def reload(request: Request) -> dict[str, Any]:
@@ -74,20 +74,9 @@ async def _json_body(request: Request) -> Any:
         raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
 
 
-def _apply(engine: LLMEngine, changes: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    applied = engine.update_config(changes)
-    report = engine.last_relayout if "block_size" in applied else None
-    return applied, report.as_dict() if report is not None else None
-
-
-def _live_config(engine: LLMEngine) -> dict[str, Any]:
-    return {**engine.live_config(), "max_model_len": engine.config.model.max_model_len,
-            "num_blocks": engine.block_manager.num_blocks}
-
-
 async def reload_model(state: ServerState, model_path: str, served_model_name: str | None) -> dict[str, Any]:
     """Swap the served model: refuse new requests, let admitted ones finish (bounded by
-    drain_timeout), then replace the engine between steps."""
+    drain_timeout), then replace the engine core by one built for the new model."""
     root = state.config.allowed_model_root
     if state.engine_args is None or root is None:
         raise APIError(403, "reloading is disabled: start the server with --allowed-model-root",
@@ -108,9 +97,12 @@ async def reload_model(state: ServerState, model_path: str, served_model_name: s
         started = time.perf_counter()
         if not await state.engine.wait_idle(state.config.drain_timeout):
             state.engine.abort_all()
-        await state.engine.swap_engine(lambda: LLMEngine(new_config))
+        from kvpilot.runtime.server.app import load_tokenizer
+
+        tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, new_config)
+        await state.engine.reload(new_config, tokenizer)
         state.engine_args = args
-        state.set_model(state.engine.engine)
+        state.set_model(new_config, tokenizer)
         return {"model": state.model_name, "model_path": path, "duration_s": round(time.perf_counter() - started, 3)}
     finally:
         state.reloading = False

@@ -1,5 +1,9 @@
 """The HTTP server of `kvpilot serve`: FastAPI routes over an `AsyncEngine`.
 
+This is the API process: HTTP, chat templates, tokenising, detokenising and streaming happen
+here, while the step loop runs in the engine core, a process of its own that the lifespan starts
+and stops (async_engine.py, core.py). `/health` fails with 503 the moment the core dies.
+
 Routes and their contract are in ARCHITECTURE.md ("HTTP contract"); the OpenAI endpoints'
 logic lives in openai_serving.py, the admin endpoints in admin.py, and every error a client can
 cause leaves through http_errors.py as OpenAI's error JSON (docs/errors.md lists them).
@@ -12,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -28,8 +31,9 @@ from fastapi.responses import JSONResponse, Response
 
 from kvpilot.runtime.server.admin import add_admin_routes
 from kvpilot.runtime.args import EngineArgs
+from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.async_engine import AsyncEngine
-from kvpilot.runtime.engine.engine import LLMEngine
+from kvpilot.runtime.engine.tokenizer import Tokenizer
 from kvpilot.runtime.server.errors import add_error_handlers, bearer_token, unauthorized
 from kvpilot.runtime.server.metrics import ServerMetrics
 from kvpilot.runtime.server.openai_serving import OpenAIServing
@@ -66,23 +70,26 @@ class ServerConfig:
 class ServerState:
     """What the routes share: the engine front, metrics, and the draining flag."""
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig, engine_args: EngineArgs | None = None) -> None:
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig, engine_args: EngineArgs | None = None,
+                 engine_factory: Any = None) -> None:
         self.config = config
         self.engine_args = engine_args  # what /reload changes the model of; None: no reloads
         self.draining = False
         self.reloading = False
         self.started = False
-        self.device = engine.config.device.device
-        self.metrics = ServerMetrics(engine.config.model.served_model_name, self.known_tenants)
-        self.engine = AsyncEngine(engine, max_queue_len=config.max_queue_len, on_step=self.metrics.record)
-        self.serving = OpenAIServing(self.engine, engine.tokenizer, self.metrics.model_name, self._refusal)
-        self.set_model(engine)
+        self.device = engine_config.device.device
+        self.metrics = ServerMetrics(engine_config.model.served_model_name, self.known_tenants)
+        tokenizer = load_tokenizer(engine_config)
+        self.engine = AsyncEngine(engine_config, tokenizer, max_queue_len=config.max_queue_len,
+                                  on_step=self.metrics.record, engine_factory=engine_factory)
+        self.serving = OpenAIServing(self.engine, tokenizer, self.metrics.model_name, self._refusal)
+        self.set_model(engine_config, tokenizer)
 
-    def set_model(self, engine: LLMEngine) -> None:
-        self.model_name = engine.config.model.served_model_name
-        self.max_model_len = engine.config.model.max_model_len
+    def set_model(self, engine_config: EngineConfig, tokenizer: Tokenizer | None) -> None:
+        self.model_name = engine_config.model.served_model_name
+        self.max_model_len = engine_config.model.max_model_len
         self.serving.model_name = self.model_name
-        self.serving.tokenizer = engine.tokenizer
+        self.serving.tokenizer = tokenizer
         if self.metrics.model_name != self.model_name:
             self.metrics = ServerMetrics(self.model_name, self.known_tenants)
             self.engine.on_step = self.metrics.record
@@ -115,7 +122,11 @@ class ServerState:
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state.engine.start()
+        try:
+            await state.engine.start()
+        except BaseException:
+            await state.engine.stop()
+            raise
         state.started = True
         log_task = None if state.config.disable_log_stats else asyncio.create_task(_log_stats(state))
         try:
@@ -178,12 +189,12 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             "num_blocks": snap.num_blocks,
             "draining": state.draining,
             "reloading": state.reloading,
-            "device": _device_memory(state.device),
+            "device": await _device_memory(state),
         }
         if not state.engine.is_alive:
             body["status"] = "error"
-            body["message"] = f"the engine loop is not running: {state.engine.error!r}"
-            return JSONResponse(body, status_code=500)
+            body["message"] = str(state.engine.error or "the engine core is not running")
+            return JSONResponse(body, status_code=503)
         warnings = []
         if snap.kv_cache_usage > KV_USAGE_WARN:
             warnings.append(f"KV cache {snap.kv_cache_usage:.0%} full: requests may be preempted")
@@ -213,21 +224,14 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
         return Response(state.metrics.expose(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _device_memory(device: str) -> dict[str, Any]:
-    if device == "cuda":
-        import torch
-
-        free, total = torch.cuda.mem_get_info()
-        return {"type": "cuda", "name": torch.cuda.get_device_name(), "memory_used_bytes": total - free,
-                "memory_total_bytes": total, "memory_allocated_bytes": torch.cuda.memory_allocated()}
-    rss = 0
+async def _device_memory(state: ServerState) -> dict[str, Any]:
+    """Measured by the engine core, whose process holds the model and the KV cache."""
+    if not state.engine.is_alive or state.reloading:
+        return {"type": state.device}
     try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        pass
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"type": "cpu", "process_rss_bytes": rss, "memory_total_bytes": total}
+        return await asyncio.wait_for(state.engine.device_memory(), timeout=2.0)  # type: ignore[no-any-return]
+    except Exception:  # noqa: BLE001 - a busy or dying core must not make /health hang or fail
+        return {"type": state.device}
 
 
 def _version() -> str:
@@ -280,9 +284,16 @@ class DrainingServer(uvicorn.Server):
             self._drain_task = asyncio.ensure_future(drain_then_exit())
 
 
-def make_server(engine: LLMEngine, config: ServerConfig, log_level: str = "info",
-                engine_args: EngineArgs | None = None) -> DrainingServer:
-    state = ServerState(engine, config, engine_args)
+def load_tokenizer(engine_config: EngineConfig) -> Tokenizer | None:
+    folder = engine_config.model.tokenizer
+    return Tokenizer(folder) if folder else None
+
+
+def make_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "info",
+                engine_args: EngineArgs | None = None, engine_factory: Any = None) -> DrainingServer:
+    """The server; its lifespan spawns the engine core from `engine_config` (built there by
+    `engine_factory(engine_config)`, default `LLMEngine`)."""
+    state = ServerState(engine_config, config, engine_args, engine_factory)
     uv_config = uvicorn.Config(build_app(state), host=config.host, port=config.port, log_level=log_level,
                                timeout_graceful_shutdown=max(1, int(config.drain_timeout)))
     return DrainingServer(uv_config, state)

@@ -11,6 +11,13 @@ from kvpilot.runtime.args import add_engine_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "kvpilot serve runs two processes: this one (HTTP, chat templates, tokenising, detokenising and "
+        "stop strings, streaming) and the engine core, which runs the step loop (and, with "
+        "--tensor-parallel-size N, starts the N-1 other workers). They exchange per-step messages over "
+        "local ZeroMQ sockets. If the core dies, every open request ends with an engine_dead error and "
+        "/health answers 503 at once; the core exits when this process does. SIGTERM drains: new "
+        "requests get 503 while admitted ones finish (--drain-timeout).")
     add_engine_arguments(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
@@ -56,10 +63,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpilot serve: error: {_as_flag(str(e))}", file=sys.stderr)
         return 2
 
-    from kvpilot.runtime.engine.engine import LLMEngine
     from kvpilot.runtime.server.app import make_server
 
-    server = make_server(LLMEngine(engine_config), server_config, log_level=args.log_level, engine_args=engine_args)
+    server = make_server(engine_config, server_config, log_level=args.log_level, engine_args=engine_args)
     server.run()
     return 0
 

@@ -1,7 +1,8 @@
 """Prometheus metrics of `kvpilot serve`: vLLM's `vllm:*` names (so vLLM dashboards, KEDA/HPA
 adapters and scrapers work unchanged) and kvpilot's own `kvpilot_*` names, all with the
-`model_name` label. Updated on the engine thread after every step; prometheus_client is
-thread-safe, and each server owns its registry so several can live in one process (tests).
+`model_name` label. Updated on the API process's event loop from every message of the engine
+core (its snapshot and step stats, and the outputs they carry); each server owns its registry so
+several can live in one process (tests).
 
 Per-tenant series (`kvpilot_tenant_*`, label `tenant`) keep their label set bounded: the first
 `MAX_TENANT_LABELS` tenants (the `--api-key-file` tenants first, registered at start) have their
@@ -14,11 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvpilot.runtime.engine.async_engine import EngineSnapshot
-from kvpilot.runtime.engine.engine import LLMEngine, StepStats
+from kvpilot.runtime.engine.core import EngineSnapshot, StepStatsMsg
 from kvpilot.runtime.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class ServerMetrics:
             self.tenant_served_tokens.labels(self.model_name, label, kind)
         self.tenant_waiting.labels(self.model_name, label)
 
-    def _record_tenants(self, snapshot: EngineSnapshot, stats: StepStats | None) -> None:
+    def _record_tenants(self, snapshot: EngineSnapshot, stats: StepStatsMsg | None) -> None:
         name = self.model_name
         known = set(self.tenants.named)
         for tenant, (num_prompt, num_generated) in (stats.served_tokens if stats is not None else {}).items():
@@ -148,12 +149,13 @@ class ServerMetrics:
     def record_config_change(self) -> None:
         self.config_changes.labels(self.model_name).inc()
 
-    def record(self, engine: LLMEngine, outputs: list[RequestOutput], snapshot: EngineSnapshot,
-               stats: StepStats | None) -> None:
-        """The engine thread's hook: gauges from the snapshot, counters from the step's stats."""
+    def record(self, outputs: list[RequestOutput], snapshot: EngineSnapshot, stats: StepStatsMsg | None,
+               pending: Collection[str] = ()) -> None:
+        """The engine's hook (`StepHook`): gauges from the core's snapshot, counters from the step's
+        stats, latencies from the outputs; `pending` are the requests still open."""
         name = self.model_name
-        self._record_config(engine)
-        waiting_requests = sum(1 for r in engine.requests.values() if r.metrics.first_scheduled_time is None)
+        self._record_config(snapshot)
+        waiting_requests = snapshot.num_waiting_requests
         self.running.labels(name).set(snapshot.num_requests - waiting_requests)
         self.waiting.labels(name).set(waiting_requests)
         self.kv_usage_perc.labels(name).set(snapshot.kv_cache_usage)
@@ -177,18 +179,19 @@ class ServerMetrics:
             self.swap_seconds.labels(name, "in").inc(stats.swap_in_seconds)
         for out in outputs:
             self._record_output(out)
-        if len(self._last_token_time) > len(engine.requests):  # aborted requests
-            for request_id in [r for r in self._last_token_time if r not in engine.requests]:
+        if len(self._last_token_time) > len(pending):  # aborted requests
+            for request_id in [r for r in self._last_token_time if r not in pending]:
                 del self._last_token_time[request_id]
 
-    def _record_config(self, engine: LLMEngine) -> None:
+    def _record_config(self, snapshot: EngineSnapshot) -> None:
         name = self.model_name
-        cache, sched = engine.config.cache, engine.config.scheduler
-        self.block_size.labels(name).set(cache.block_size)
+        if not snapshot.num_blocks:  # the core has not reported yet
+            return
+        self.block_size.labels(name).set(snapshot.block_size)
         for mode in PREEMPTION_MODES:
-            self.preemption_mode.labels(name, mode).set(1.0 if mode == sched.preemption_mode else 0.0)
-        labels = (name, str(cache.block_size), str(engine.block_manager.num_blocks), sched.preemption_mode,
-                  str(cache.enable_prefix_caching).lower())
+            self.preemption_mode.labels(name, mode).set(1.0 if mode == snapshot.preemption_mode else 0.0)
+        labels = (name, str(snapshot.block_size), str(snapshot.num_blocks), snapshot.preemption_mode,
+                  str(snapshot.enable_prefix_caching).lower())
         if labels != self._cache_info_labels:
             if self._cache_info_labels is not None:
                 self.cache_info.remove(*self._cache_info_labels)

@@ -1,4 +1,5 @@
-"""A real `kvpilot serve` (uvicorn on a loopback port) in a background thread, for server tests."""
+"""A real `kvpilot serve` (uvicorn on a loopback port) in a background thread, its engine core in a
+process of its own, for server tests."""
 
 from __future__ import annotations
 
@@ -44,18 +45,16 @@ class RunningServer:
 
 def start_server(engine_args: dict[str, Any], **server_config: Any) -> RunningServer:
     from kvpilot.runtime.args import EngineArgs
-    from kvpilot.runtime.engine.engine import LLMEngine
     from kvpilot.runtime.server.app import ServerConfig, make_server
 
     args = EngineArgs(**engine_args)
-    engine = LLMEngine(args.create_engine_config())
     port = free_port()
-    server = make_server(engine, ServerConfig(port=port, disable_log_stats=True, **server_config),
+    server = make_server(args.create_engine_config(), ServerConfig(port=port, disable_log_stats=True, **server_config),
                          log_level="warning", engine_args=args)
     thread = threading.Thread(target=server.run, name="test-server", daemon=True)
     thread.start()
     running = RunningServer(f"http://127.0.0.1:{port}", server, thread)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")

@@ -1,147 +1,123 @@
-"""`AsyncEngine` on a fake engine: ordering, idling, aborts, the queue limit, and crashes."""
+"""`AsyncEngine` over a real engine core process running a fake engine (tests/support/fake_engine.py):
+ordering, idling, aborts, the queue limit, crashes and a killed core."""
 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
+import os
+import signal
 from typing import Any
 
 import pytest
+from fake_engine import TOKENS, FakeEngine
 
 from kvpilot.runtime.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from kvpilot.runtime.engine.engine import RequestError
-from kvpilot.runtime.outputs import CompletionOutput, RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 
-NUM_TOKENS = 3
+HI = [TOKENS["hi"]]
 
 
-class FakeEngine:
-    """Each request emits one token per step and finishes after NUM_TOKENS; `crash` makes step raise."""
-
-    def __init__(self) -> None:
-        self.requests: dict[str, Any] = {}
-        self.scheduler = SimpleNamespace(running=[], waiting=[], swapped=[])
-        self.block_manager = SimpleNamespace(num_free_blocks=8, num_blocks=8, usage=0.0)
-        self.last_step = None
-        self.num_steps = 0
-        self.crash = False
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                    tenant: str = "default") -> None:
-        if prompt == "explode":
-            raise KeyError("not a ValueError")
-        if not prompt:
-            raise RequestError("the prompt is empty")
-        self.requests[request_id] = SimpleNamespace(tokens=[], metrics=SimpleNamespace(first_scheduled_time=None))
-
-    def abort_request(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-
-    def step(self) -> list[RequestOutput]:
-        self.num_steps += 1
-        if self.crash:
-            raise RuntimeError("boom")
-        outputs = []
-        for request_id, r in list(self.requests.items()):
-            r.metrics.first_scheduled_time = 1.0
-            r.tokens.append(len(r.tokens))
-            done = len(r.tokens) == NUM_TOKENS
-            outputs.append(RequestOutput(request_id, None, [1], [CompletionOutput(
-                0, "x" * len(r.tokens), list(r.tokens), None, None, "length" if done else None)], done))
-            if done:
-                del self.requests[request_id]
-        return outputs
-
-
-async def _started(fake: FakeEngine, **kwargs: Any) -> AsyncEngine:
-    engine = AsyncEngine(fake, **kwargs)  # type: ignore[arg-type]
-    engine.start()
+async def _started(**kwargs: Any) -> AsyncEngine:
+    engine = AsyncEngine(None, engine_factory=FakeEngine, **kwargs)
+    await asyncio.wait_for(engine.start(), timeout=120)
     return engine
 
 
-async def test_outputs_arrive_in_order_and_end_finished() -> None:
-    engine = await _started(FakeEngine())
-    streams = [await engine.add_request(f"r{i}", "hi", SamplingParams()) for i in range(3)]
-    for stream in streams:
-        texts = [out.outputs[0].text async for out in stream]
-        assert texts == ["x", "xx", "xxx"]
-    assert engine.num_pending_requests == 0
-    await engine.stop()
+async def _tokens(engine: AsyncEngine, request_id: str, prompt: list[int]) -> list[list[int]]:
+    stream = await engine.add_request(request_id, prompt, SamplingParams())
+    return [out.outputs[0].token_ids async for out in stream]
 
 
-async def test_engine_thread_idles_without_work() -> None:
-    fake = FakeEngine()
-    engine = await _started(fake)
-    await asyncio.sleep(0.2)
-    assert fake.num_steps == 0
-    [_ async for _ in await engine.add_request("r", "hi", SamplingParams())]
-    steps = fake.num_steps
-    await asyncio.sleep(0.2)
-    assert fake.num_steps == steps == NUM_TOKENS
-    await engine.stop()
+async def test_outputs_arrive_in_order_and_end_finished_and_the_core_idles() -> None:
+    engine = await _started()
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(_tokens(engine, f"r{i}", HI) for i in range(3))), 60)
+        assert results == [[[10], [10, 11], [10, 11, 12]]] * 3
+        assert engine.num_pending_requests == 0
+        steps = (await engine.live_config())["num_steps"]
+        await asyncio.sleep(0.3)
+        assert (await engine.live_config())["num_steps"] == steps  # no work: the core does not step
+        assert engine.snapshot.num_free_blocks == engine.snapshot.num_blocks == 8
+    finally:
+        await engine.stop()
 
 
-async def test_bad_request_is_raised_at_admission() -> None:
-    engine = await _started(FakeEngine())
-    with pytest.raises(RequestError):
-        await engine.add_request("r", "", SamplingParams())
-    assert engine.num_pending_requests == 0
-    await engine.stop()
+async def test_bad_requests_are_raised_at_admission_with_their_type() -> None:
+    engine = await _started()
+    try:
+        with pytest.raises(RequestError, match="empty"):
+            await engine.add_request("r", [], SamplingParams())
+        with pytest.raises(RuntimeError, match="KeyError"):  # not a ValueError: still reaches the caller
+            await asyncio.wait_for(engine.add_request("x", [TOKENS["explode"]], SamplingParams()), 10)
+        with pytest.raises(RequestError, match="no tokenizer"):
+            await engine.add_request("t", "text needs a tokenizer", SamplingParams())
+        with pytest.raises(ValueError, match="block_size"):
+            await engine.update_config({"block_size": 8})
+        assert engine.num_pending_requests == 0
+        assert await asyncio.wait_for(_tokens(engine, "y", HI), 30) == [[10], [10, 11], [10, 11, 12]]
+    finally:
+        await engine.stop()
 
 
 async def test_queue_limit_rejects_beyond_max_queue_len() -> None:
-    fake = FakeEngine()
-    engine = await _started(fake, max_queue_len=1)
-    fake.step = lambda: []  # type: ignore[method-assign]  # nothing gets scheduled: requests stay queued
-    await engine.add_request("a", "hi", SamplingParams())
-    with pytest.raises(QueueFullError):
-        await engine.add_request("b", "hi", SamplingParams())
-    engine.abort("a")
-    await engine.stop()
+    engine = await _started(max_queue_len=1)
+    try:
+        await engine.add_request("a", [TOKENS["hold"]], SamplingParams())
+        with pytest.raises(QueueFullError):
+            await engine.add_request("b", HI, SamplingParams())
+        engine.abort("a")
+    finally:
+        await engine.stop()
 
 
-async def test_abort_reaches_the_engine() -> None:
-    fake = FakeEngine()
-    fake.step = lambda: []  # type: ignore[method-assign]
-    engine = await _started(fake)
-    await engine.add_request("a", "hi", SamplingParams())
-    engine.abort("a")
-    for _ in range(100):
-        if not fake.requests:
-            break
-        await asyncio.sleep(0.01)
-    assert not fake.requests and engine.num_pending_requests == 0
-    await engine.stop()
+async def test_abort_reaches_the_core_and_frees_its_blocks() -> None:
+    engine = await _started()
+    try:
+        await engine.add_request("a", [TOKENS["hold"]], SamplingParams())
+        assert engine.snapshot.num_free_blocks == 7
+        engine.abort("a")
+        for _ in range(500):
+            if engine.snapshot.num_free_blocks == 8:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.snapshot.num_free_blocks == 8 and engine.snapshot.num_requests == 0
+        assert (await engine.live_config())["aborted"] == ["a"]
+        assert engine.num_pending_requests == 0
+    finally:
+        await engine.stop()
 
 
-async def test_crash_fails_pending_and_later_requests_instead_of_hanging() -> None:
-    fake = FakeEngine()
-    fake.crash = True
-    engine = await _started(fake)
-    stream = await engine.add_request("a", "hi", SamplingParams())
-    with pytest.raises(EngineDeadError, match="boom"):
-        await asyncio.wait_for(anext(aiter(stream)), timeout=5)
-    assert not engine.is_alive
-    with pytest.raises(EngineDeadError):
-        await engine.add_request("b", "hi", SamplingParams())
-    with pytest.raises(EngineDeadError):
-        await engine.call(lambda e: None)
+async def test_crash_fails_pending_and_later_requests_with_the_cause() -> None:
+    engine = await _started()
+    try:
+        held = await engine.add_request("a", [TOKENS["hold"]], SamplingParams())
+        crashing = await engine.add_request("b", [TOKENS["crash"]], SamplingParams())
+        for stream in (held, crashing):
+            with pytest.raises(EngineDeadError, match="boom"):
+                await asyncio.wait_for(anext(aiter(stream)), timeout=10)
+        assert not engine.is_alive
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("c", HI, SamplingParams())
+        with pytest.raises(EngineDeadError):
+            await engine.live_config()
+    finally:
+        await engine.stop()
 
 
-async def test_an_unexpected_error_while_admitting_reaches_the_caller() -> None:
-    """Only ValueErrors used to be passed back: anything else left the caller waiting forever."""
-    engine = await _started(FakeEngine())
-    with pytest.raises(KeyError):
-        await asyncio.wait_for(engine.add_request("x", "explode", SamplingParams()), timeout=10)
-    stream = await engine.add_request("y", "hi", SamplingParams())  # the engine still serves
-    assert [out.outputs[0].text async for out in stream] == ["x", "xx", "xxx"]
-    assert engine.num_pending_requests == 0
-    await engine.stop()
+@pytest.mark.parametrize("how", ["sigkill", "dies_in_step"])
+async def test_a_killed_core_fails_every_open_request(how: str) -> None:
+    engine = await _started()
+    try:
+        streams = [await engine.add_request(f"h{i}", [TOKENS["hold"]], SamplingParams()) for i in range(3)]
+        if how == "sigkill":
+            assert engine.core_pid is not None
+            os.kill(engine.core_pid, signal.SIGKILL)
+        else:
+            streams.append(await engine.add_request("d", [TOKENS["die"]], SamplingParams()))
+        for stream in streams:
+            with pytest.raises(EngineDeadError, match="exited unexpectedly"):
+                await asyncio.wait_for(anext(aiter(stream)), timeout=10)
+        assert not engine.is_alive and engine.num_pending_requests == 0
+    finally:
+        await engine.stop()

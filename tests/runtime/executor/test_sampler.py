@@ -54,3 +54,41 @@ def test_greedy_and_logprobs_of_the_raw_distribution() -> None:
     value, rank, top = result.logprobs[0]
     assert abs(value - LOGITS[0, 1].item()) < 1e-6 and rank == 2  # logprobs ignore the penalty
     assert [t for t, _ in top] == [0, 1]
+
+
+def _reference_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, int, list[tuple[int, float]]]:
+    lp = logits.log_softmax(dim=-1)
+    rank = int((lp > lp[token]).sum()) + 1
+    vals, ids = lp.topk(k) if k else (torch.tensor([]), torch.tensor([], dtype=torch.long))
+    return float(lp[token]), rank, list(zip(ids.tolist(), vals.tolist(), strict=True))
+
+
+def test_a_mixed_batch_takes_one_host_copy_and_matches_per_row_results(monkeypatch) -> None:
+    from kvpilot.runtime.executor import sampler
+
+    copies = []
+    real = sampler.to_host
+    monkeypatch.setattr(sampler, "to_host", lambda t: copies.append(t.shape) or real(t))
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300) * 3
+    asks = [None, 0, 3, None, 7]
+    rows = [SamplingRow(params=SamplingParams(temperature=0 if i % 2 else 0.9, logprobs=a, min_p=0.01 * (i == 4)),
+                        token_ids=[1], num_prompt_tokens=1, generator=torch.Generator().manual_seed(i),
+                        eos_token_ids=set()) for i, a in enumerate(asks)]
+    result = sample(logits.clone(), rows)
+    assert len(copies) == 1
+    for i, ask in enumerate(asks):
+        token = result.token_ids[i]
+        if i % 2:
+            assert token == int(logits[i].argmax())
+        if ask is None:
+            assert result.logprobs[i] is None
+            continue
+        value, rank, top = result.logprobs[i]
+        ref_value, ref_rank, ref_top = _reference_logprobs(logits[i], token, ask)
+        assert abs(value - ref_value) < 1e-6 and rank == ref_rank
+        assert [t for t, _ in top] == [t for t, _ in ref_top]
+        assert all(abs(v - rv) < 1e-6 for (_, v), (_, rv) in zip(top, ref_top, strict=True))
+    copies.clear()
+    sample(logits.clone(), [rows[0], rows[3]])  # no logprobs asked: the tokens alone
+    assert len(copies) == 1

@@ -109,3 +109,35 @@ def test_sigterm_drains_admitted_requests_and_exits_0(tmp_path: Path) -> None:
         log.close()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{base}/health")
+
+
+def test_the_engine_core_exits_when_the_api_process_is_killed(tmp_path: Path) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen([KVPILOT, "serve", "--port", str(port), "--max-model-len", "256", "--disable-log-stats"],
+                            stdout=log, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        _wait_ready(base, proc)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        cores = [int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()
+                 and "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(cores) == 1, children
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while not _gone(cores[0]):
+            assert time.monotonic() < deadline, "the engine core outlived the API process"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
