@@ -11,6 +11,7 @@ length), so a served request ends exactly where `LLM.generate` ends it.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from kvpilot.runtime.engine.core import RequestDelta
@@ -25,11 +26,12 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()  # this process's mirror sequences (the core numbers its own)
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float, priority: int = 0) -> Request:
         request = Request(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
-                          arrival_time=arrival_time, priority=priority)
+                          arrival_time=arrival_time, priority=priority, seq_ids=self._seq_ids)
         self.requests[request_id] = request
         return request
 

@@ -72,10 +72,10 @@ def test_a_mixed_batch_takes_one_host_copy_and_matches_per_row_results(monkeypat
     torch.manual_seed(0)
     logits = torch.randn(5, 300) * 3
     asks = [None, 0, 3, None, 7]
-    rows = [SamplingRow(params=SamplingParams(temperature=0 if i % 2 else 0.9, logprobs=a, min_p=0.01 * (i == 4)),
-                        token_ids=[1], num_prompt_tokens=1, generator=torch.Generator().manual_seed(i),
-                        eos_token_ids=set()) for i, a in enumerate(asks)]
-    result = sample(logits.clone(), rows)
+    rows = [SamplingRow(seq_id=i, params=SamplingParams(temperature=0 if i % 2 else 0.9, logprobs=a, min_p=0.01 * (i == 4)),
+                        token_ids=[1], num_prompt_tokens=1, eos_token_ids=frozenset()) for i, a in enumerate(asks)]
+    generators = [torch.Generator().manual_seed(i) for i in range(len(rows))]
+    result = sample(logits.clone(), rows, generators)
     assert len(copies) == 1
     for i, ask in enumerate(asks):
         token = result.token_ids[i]

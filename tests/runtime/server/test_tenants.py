@@ -9,7 +9,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -17,8 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import RunningServer, start_server
 
-from kvpilot.runtime.engine.async_engine import EngineSnapshot
-from kvpilot.runtime.engine.engine import StepStats
+from kvpilot.runtime.engine.core import EngineSnapshot, StepStatsMsg
 from kvpilot.runtime.server.metrics import ServerMetrics
 from kvpilot.runtime.server.tenants import APIKeyFileError, APIKeys
 
@@ -153,15 +151,9 @@ def test_serve_with_a_malformed_key_file_fails_at_start_with_one_line(tmp_path: 
 
 def test_tenant_metrics_keep_a_bounded_label_set_and_add_up() -> None:
     metrics = ServerMetrics("m", tenants=["k1"], max_tenant_labels=2)
-    stats = StepStats(duration_s=0.01, num_batched_tokens=0, num_prompt_tokens=0, num_generation_tokens=0,
-                      num_preemptions=0, served_tokens={"t1": [5, 1], "t2": [7, 1], "t3": [11, 1]})
+    stats = StepStatsMsg(0.01, 0, 0, 0, 0, 0, 0, 0, served_tokens={"t1": [5, 1], "t2": [7, 1], "t3": [11, 1]})
     snapshot = EngineSnapshot(waiting_requests_by_tenant={"t2": 2, "t3": 3, "t4": 4})
-
-    engine = SimpleNamespace(  # what `record` reads besides the snapshot and the stats
-        requests={}, block_manager=SimpleNamespace(num_blocks=8),
-        config=SimpleNamespace(cache=SimpleNamespace(block_size=16, enable_prefix_caching=False),
-                               scheduler=SimpleNamespace(preemption_mode="recompute")))
-    metrics.record(engine, [], snapshot, stats)  # type: ignore[arg-type]
+    metrics.record([], snapshot, stats)
     served, waiting = {}, {}
     for family in text_string_to_metric_families(metrics.expose().decode()):
         for s in family.samples:
