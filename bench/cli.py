@@ -11,6 +11,7 @@ from importlib import import_module
 # add_arguments imports nothing heavy, since `kvpilot --help` builds every parser.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("kvpilot.bench.serve", "Load a running OpenAI-compatible server; latency, throughput, goodput."),
+    "throughput": ("kvpilot.bench.throughput", "Offline throughput of LLM.generate on a model or preset."),
     "autoscale": ("kvpilot.bench.autoscale", "Simulate autoscaling policies on a measured capacity curve."),
 }
 

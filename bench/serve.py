@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from . import flags
 
 _MAX_SEARCH_DOUBLINGS = 12
 # RandomSpec's fields -> the flags that set them, for error lines
@@ -34,32 +35,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
     g.add_argument("--model", default=None, help="the model name to send (default: the server's first in /v1/models)")
     g.add_argument("--api-key", default=None, help="Bearer key for the server (default: env OPENAI_API_KEY)")
-    g.add_argument("--request-timeout", type=_positive, default=600.0, metavar="SECONDS")
+    g.add_argument("--request-timeout", type=flags.positive, default=600.0, metavar="SECONDS")
     g = parser.add_argument_group("workload")
-    g.add_argument("--num-prompts", type=_positive_int, default=200)
+    g.add_argument("--num-prompts", type=flags.positive_int, default=200)
     g.add_argument("--dataset-path", type=Path, default=None, metavar="FILE",
                    help="local JSONL, one {\"prompt\" or \"prompt_token_ids\", optional \"output_len\"} per line "
                         "(default: random token-id prompts)")
-    g.add_argument("--random-input-len", type=_positive_int, default=1024)
-    g.add_argument("--random-output-len", type=_positive_int, default=128,
+    g.add_argument("--random-input-len", type=flags.positive_int, default=1024)
+    g.add_argument("--random-output-len", type=flags.positive_int, default=128,
                    help="also the output length of dataset lines without one")
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="sample lengths uniformly within len * (1 +- ratio)")
-    g.add_argument("--random-prefix-len", type=_non_negative_int, default=0,
+    g.add_argument("--random-prefix-len", type=flags.non_negative_int, default=0,
                    help="tokens of a prefix every random prompt shares")
     g.add_argument("--ignore-eos", action="store_true", help="ask for exactly the output length (vLLM's ignore_eos)")
     g.add_argument("--seed", type=int, default=0)
     g = parser.add_argument_group("load")
-    g.add_argument("--request-rate", type=_rate, nargs="+", default=[math.inf], metavar="RATE",
+    g.add_argument("--request-rate", type=flags.rate, nargs="+", default=[math.inf], metavar="RATE",
                    help="requests/s, one or several (each a run); inf sends every request at once")
-    g.add_argument("--burstiness", type=_positive, default=1.0,
+    g.add_argument("--burstiness", type=flags.positive, default=1.0,
                    help="Gamma shape of the arrival gaps: 1 is Poisson, below 1 burstier")
-    g.add_argument("--max-concurrency", type=_positive_int, default=None, help="at most this many requests in flight")
+    g.add_argument("--max-concurrency", type=flags.positive_int, default=None, help="at most this many requests in flight")
     g = parser.add_argument_group("SLO")
     g.add_argument("--slo", default=None, metavar="ttft=500ms,itl=50ms",
                    help="limits on ttft, itl (a request's mean gap) and e2e: goodput counts requests within them")
     g.add_argument("--search", action="store_true", help="find the highest rate whose P99 latencies meet --slo")
-    g.add_argument("--search-steps", type=_positive_int, default=4, help="bisection steps of --search")
+    g.add_argument("--search-steps", type=flags.positive_int, default=4, help="bisection steps of --search")
     g = parser.add_argument_group("output")
     g.add_argument("--output", type=Path, default=None, metavar="FILE", help="write JSON here and a PNG beside it")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -212,39 +213,3 @@ async def _served_model(base_url: str, api_key: str | None) -> str:
     if not data:
         raise _ServerError(f"GET {url} lists no model; pass --model")
     return str(data[0]["id"])
-
-
-def _rate(text: str) -> float:
-    if text.strip().lower() == "inf":
-        return math.inf
-    return _positive(text)
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, not {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, not {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, not {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, not {text!r}")
-    return value
