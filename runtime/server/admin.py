@@ -50,6 +50,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
         if applied:
             state.metrics.record_config_change()
         config = await state.engine.call(_live_config)
+        state.serving.max_num_seqs = config["max_num_seqs"]
         return {"applied": applied, "duration_s": round(duration, 6), "config": config}
 
     @app.post("/reload")
