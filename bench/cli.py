@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("kvpilot.bench.serve", "Load a running OpenAI-compatible server; latency, throughput, goodput."),
     "throughput": ("kvpilot.bench.throughput", "Offline throughput of LLM.generate on a model or preset."),
     "autoscale": ("kvpilot.bench.autoscale", "Simulate autoscaling policies on a measured capacity curve."),
+    "autotune": ("kvpilot.bench.autotune", "Static engine configs against the live autotuner on a phased workload."),
 }
 
 
