@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a CI-sized run: the short built-in workload, blocks 8 and 16, fast tuner timescales, "
                         "a CPU-sized KV budget and SLO (each still overridable)")
     g.add_argument("--serve-args", default="", metavar="FLAGS",
-                   help="flags for every kvpilot serve, e.g. \"--model llama-3-8b --load-format dummy\"")
+                   help="flags for every kvpilot serve, e.g. \"--model llama-3-8b --load-format dummy\" (default "
+                        "--max-model-len: the workload's longest request rounded up to a power of two)")
     g.add_argument("--kv-tokens", type=flags.positive_int, default=None,
                    help="KV budget of every server in tokens (default: 65536; 1024 with --quick)")
     g.add_argument("--block-sizes", type=int, nargs="+", default=None, choices=(8, 16, 32, 64),
@@ -121,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
             message = f"--{message}" if message.startswith("slo:") else message
         print(f"kvpilot bench autotune: error: {message}", file=sys.stderr)
         return 2
+    if not any(f.split("=")[0] == "--max-model-len" for f in serve_flags):
+        # the engine needs its cache to hold one full-length sequence; the workload needs no more
+        serve_flags += ["--max-model-len", str(min(args.kv_tokens, 1 << math.ceil(math.log2(longest))))]
     timed = build_requests(phases, args.seed)
     plans = [RunPlan(f"static b{b} {m}", b, m, False) for b in block_sizes for m in modes]
     calm = _calm_within(spec)
