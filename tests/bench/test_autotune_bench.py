@@ -18,12 +18,12 @@ from kvpilot.bench.autotune_workload import QUICK, WorkloadFileError, build_requ
 
 KVPILOT = str(Path(sys.executable).parent / "kvpilot")
 ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
-# a burst far beyond what max_num_seqs 4 runs at once, between two calm stretches
+# a burst far beyond what max_num_seqs 2 runs at once (at least 3,840 steps for its 7,680 tokens), between two calm stretches
 WORKLOAD = """\
 phases:
   - {name: calm, duration: 3, rate: 1, input_len: 16, output_len: 8}
-  - {name: burst, duration: 3, rate: 25, input_len: 24, output_len: 48}
-  - {name: after, duration: 10, rate: 0.5, input_len: 16, output_len: 8}
+  - {name: burst, duration: 3, rate: 40, input_len: 24, output_len: 64}
+  - {name: after, duration: 12, rate: 0.5, input_len: 16, output_len: 8}
 """
 
 
@@ -39,7 +39,7 @@ def test_the_autotuner_switches_on_the_burst_and_back_after_it(tmp_path: Path,
     workload.write_text(WORKLOAD)
     out = tmp_path / "autotune.json"
     args = parse("--quick", "--workload", str(workload), "--serve-args",
-                 "--model tiny-llama --load-format dummy --max-num-seqs 4", "--kv-tokens", "512",
+                 "--model tiny-llama --load-format dummy --max-num-seqs 2", "--kv-tokens", "512",
                  "--block-sizes", "8", "16", "--preemption-modes", "recompute", "--interval", "0.5",
                  "--cooldown", "2", "--min-dwell", "1", "--output", str(out), "--disable-tqdm")
     assert autotune.run(args) == 0
