@@ -1,14 +1,16 @@
 """`kvpilot bench BENCHMARK`: each benchmark lives in its own module, imported only when chosen
-(`bench serve` needs no torch; `bench throughput` loads the engine)."""
+(`bench serve` needs no torch; `bench throughput` loads the engine; `kvpilot --help` and
+`kvpilot operator` must not pay for any of them, nor need their packages)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from importlib import import_module
+from typing import Any
 
-# benchmark -> (module, one-line help). The module has `add_arguments(parser)` and `run(args)`;
-# add_arguments imports nothing heavy, since `kvpilot --help` builds every parser.
+# benchmark -> (module, one-line help). The module has `add_arguments(parser)` and `run(args)`.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("kvpilot.bench.serve", "Load a running OpenAI-compatible server; latency, throughput, goodput."),
     "throughput": ("kvpilot.bench.throughput", "Offline throughput of LLM.generate on a model or preset."),
@@ -19,14 +21,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     subparsers = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True,
-                                       parser_class=type(parser))
+                                       parser_class=_lazy_parser_class(type(parser)))
     for name, (module, help_text) in BENCHMARKS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         sub.set_defaults(_bench_module=module, _bench_missing=None)
-        try:
-            import_module(module).add_arguments(sub)
-        except ImportError as e:  # an image without the bench extra still parses every other command
-            sub.set_defaults(_bench_missing=str(e))
+        sub.module = module  # type: ignore[attr-defined]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,3 +35,29 @@ def run(args: argparse.Namespace) -> int:
         return 2
     result: int = import_module(args._bench_module).run(args)
     return result
+
+
+def _lazy_parser_class(base: type[argparse.ArgumentParser]) -> type[argparse.ArgumentParser]:
+    """A parser that adds its benchmark's flags the first time it parses or shows help."""
+
+    class LazyParser(base):  # type: ignore[valid-type,misc]
+        module: str | None = None
+
+        def _populate(self) -> None:
+            module, self.module = self.module, None
+            if module is None:
+                return
+            try:
+                import_module(module).add_arguments(self)
+            except ImportError as e:  # an image without the bench extra
+                self.set_defaults(_bench_missing=str(e))
+
+        def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+            self._populate()
+            return super().parse_known_args(args, namespace)
+
+        def format_help(self) -> str:
+            self._populate()
+            return str(super().format_help())
+
+    return LazyParser
