@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from importlib import import_module
 from typing import Any
@@ -24,15 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        parser_class=_lazy_parser_class(type(parser)))
     for name, (module, help_text) in BENCHMARKS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
-        sub.set_defaults(_bench_module=module, _bench_missing=None)
+        sub.set_defaults(_bench_module=module)
         sub.module = module  # type: ignore[attr-defined]
 
 
 def run(args: argparse.Namespace) -> int:
-    if args._bench_missing is not None:
-        print(f"kvpilot bench {args.benchmark}: error: {args._bench_missing}; install kvpilot[bench]",
-              file=sys.stderr)
-        return 2
     result: int = import_module(args._bench_module).run(args)
     return result
 
@@ -50,7 +45,7 @@ def _lazy_parser_class(base: type[argparse.ArgumentParser]) -> type[argparse.Arg
             try:
                 import_module(module).add_arguments(self)
             except ImportError as e:  # an image without the bench extra
-                self.set_defaults(_bench_missing=str(e))
+                self.exit(2, f"{self.prog}: error: {e}; install kvpilot[bench]\n")
 
         def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
             self._populate()
