@@ -146,7 +146,7 @@ async def _bench(args: argparse.Namespace, requests: list[Any], slo: Any) -> dic
         for rate in args.request_rate:
             runs.append(await probe(rate))
     body: dict[str, Any] = {
-        "command": ["kvpilot", "bench", "serve", *sys.argv[3:]] if sys.argv[1:3] == ["bench", "serve"] else sys.argv,
+        "command": ["kvpilot", *sys.argv[1:]],
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "base_url": args.base_url, "model": model,
         "description": f"{model} at {args.base_url}",
