@@ -10,7 +10,7 @@ attainment, P99 TTFT, ITL and end-to-end latency, failed requests, preemptions a
 (from the server's counters), and for the autotuner every switch with the pause it caused. The
 autotuner's greedy outputs are compared with the unswitched default's (block size 16, recompute)
 request by request. JSON (`--output`), a table, and a PNG of latency over time with the switches
-marked. The tuner's timescales (`--interval`, `--cooldown`, `--min-dwell`) are compressed from the
+marked; each server's log goes to `autotune-logs/` beside the JSON (else under the temp folder). The tuner's timescales (`--interval`, `--cooldown`, `--min-dwell`) are compressed from the
 operator's production defaults so that a phase of minutes can be tuned at all.
 """
 
@@ -22,6 +22,7 @@ import math
 import secrets
 import shlex
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,7 +199,7 @@ async def _one_run(args: argparse.Namespace, plan: RunPlan, timed: list[Any], se
     flags_ = [*serve_flags, "--block-size", str(plan.block_size), "--preemption-mode", plan.preemption_mode,
               "--num-gpu-blocks-override", str(args.kv_tokens // plan.block_size), "--admin-token", token,
               "--disable-log-stats"]
-    log_dir = (args.output.parent if args.output else Path(".")) / "autotune-logs"
+    log_dir = args.output.parent / "autotune-logs" if args.output else Path(tempfile.gettempdir()) / "kvpilot-autotune-logs"
     async with serve(flags_, log_dir / f"{plan.name.replace(' ', '-')}.log") as base:
         headers = {"Authorization": f"Bearer {token}"}
         async with aiohttp.ClientSession(headers=headers) as session, \
