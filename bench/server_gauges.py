@@ -1,4 +1,4 @@
-"""The server's own view of a load run: `/metrics` scraped every interval while the load runs,
+"""The server's own view of a load run: `/metrics` scraped every 0.5 s while the load runs,
 parsed with prometheus_client's parser, and averaged. The names are vLLM's, which kvpilot also
 exports, so a vLLM server gives them too; a server without them gives none.
 
@@ -39,7 +39,7 @@ def parse_page(text: str) -> dict[str, float]:
 class GaugeSampler:
     """`async with GaugeSampler(url):` scrapes while the block runs; `.summary()` afterwards."""
 
-    def __init__(self, base_url: str, interval_s: float = 1.0, api_key: str | None = None) -> None:
+    def __init__(self, base_url: str, interval_s: float = 0.5, api_key: str | None = None) -> None:
         self.url = base_url.rstrip("/") + "/metrics"
         self.interval_s = interval_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -18,12 +18,13 @@ from kvpilot.bench.autotune_workload import QUICK, WorkloadFileError, build_requ
 
 KVPILOT = str(Path(sys.executable).parent / "kvpilot")
 ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
-# a burst far beyond what max_num_seqs 2 runs at once (at least 3,840 steps for its 7,680 tokens), between two calm stretches
+# a burst far beyond what max_num_seqs 2 runs at once (some 2,560 steps for its ~5,000 tokens),
+# between two calm stretches
 WORKLOAD = """\
 phases:
   - {name: calm, duration: 3, rate: 1, input_len: 16, output_len: 8}
-  - {name: burst, duration: 3, rate: 40, input_len: 24, output_len: 64}
-  - {name: after, duration: 12, rate: 0.5, input_len: 16, output_len: 8}
+  - {name: burst, duration: 2, rate: 40, input_len: 24, output_len: 64}
+  - {name: after, duration: 15, rate: 0.5, input_len: 16, output_len: 8}
 """
 
 
