@@ -15,6 +15,7 @@ from typing import NoReturn
 
 # subcommand -> (module, one-line help). The module has `add_arguments(parser)` and `run(args)`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("kvpilot.bench.cli", "Benchmarks: serve, throughput, autoscale, autotune."),
     "generate": ("kvpilot.runtime.generate_cli", "Generate completions offline for prompts."),
     "operator": ("kvpilot.operator.cli", "Run the InferenceService operator (kopf)."),
     "serve": ("kvpilot.runtime.server.cli", "Serve a model over an OpenAI-compatible HTTP API."),

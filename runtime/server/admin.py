@@ -50,6 +50,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
         if applied:
             state.metrics.record_config_change()
         config = await state.engine.live_config()
+        state.serving.max_num_seqs = config["max_num_seqs"]
         # a block-size change re-lays the KV cache between steps: its pause, the bytes it moved
         # and the requests it had to recompute (none unless the new cut could not hold them)
         return {"applied": applied, "duration_s": round(duration, 6), "config": config, "relayout": result["relayout"]}

@@ -89,6 +89,8 @@ class ServerState:
         self.model_name = engine_config.model.served_model_name
         self.max_model_len = engine_config.model.max_model_len
         self.serving.model_name = self.model_name
+        self.serving.max_model_len = self.max_model_len
+        self.serving.max_num_seqs = engine_config.scheduler.max_num_seqs
         self.serving.tokenizer = tokenizer
         if self.metrics.model_name != self.model_name:
             self.metrics = ServerMetrics(self.model_name, self.known_tenants)

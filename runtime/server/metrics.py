@@ -17,12 +17,23 @@ import logging
 import time
 from collections.abc import Collection
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from kvpilot.runtime.engine.core import EngineSnapshot, StepStatsMsg
 from kvpilot.runtime.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+
+# As vLLM does: a `*_created` series per counter and histogram doubles the page for no signal, and
+# dashboards read `vllm:num_preemptions_created` (a timestamp) as a count.
+disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)

@@ -38,6 +38,9 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.unavailable = unavailable  # why the server takes no new requests now, if it doesn't
+        # the engine's limits a request must fit in (set by the server; max_num_seqs is live-tunable)
+        self.max_model_len: int | None = None
+        self.max_num_seqs: int | None = None
 
     # ---- endpoints -------------------------------------------------------------------------
 
@@ -85,6 +88,7 @@ class OpenAIServing:
         refusal = self.unavailable()
         if refusal is not None:
             raise refusal
+        prompt = self._within_limits(prompt, params)
         outputs = await self._admit(request_id, prompt, params, priority, tenant)
         created = int(time.time())
         if stream:
@@ -99,6 +103,27 @@ class OpenAIServing:
             "choices": [choice(c, 0, 0) for c in final.outputs],
             "usage": _usage(final),
         })
+
+    def _within_limits(self, prompt: str | list[int], params: SamplingParams) -> str | list[int]:
+        """Refuses what the engine could never serve: more samples than it runs sequences at once, or
+        a prompt plus `max_tokens` beyond the context (OpenAI's and vLLM's 400). A text prompt is
+        tokenized here for that, and handed on as token ids."""
+        if self.max_num_seqs is not None and params.n > self.max_num_seqs:
+            raise APIError(400, f"n: {params.n} samples per request exceed this server's max_num_seqs "
+                           f"({self.max_num_seqs}), the most sequences it runs at once", param="n",
+                           code="invalid_value")
+        if params.max_tokens is None or self.max_model_len is None:
+            return prompt
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                return prompt
+            prompt = self.tokenizer.encode(prompt)
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                           f"request asks for {len(prompt) + params.max_tokens} ({len(prompt)} in the prompt, "
+                           f"{params.max_tokens} to generate); shorten the prompt or lower max_tokens",
+                           param="max_tokens", code="context_length_exceeded")
+        return prompt
 
     async def _admit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      priority: int, tenant: str) -> RequestStream:

@@ -65,6 +65,8 @@ class _SamplingFields(BaseModel):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for values out of range."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -106,6 +108,9 @@ class ChatMessage(BaseModel):
                     raise ValueError("messages: only text content parts are supported")
                 texts.append(part["text"])
             content = "\n".join(texts)
+        if content is None and self.role != "assistant":
+            raise ValueError(f"messages: a {self.role} message needs content; null content is only allowed "
+                             "in assistant messages")
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": content or ""}
 

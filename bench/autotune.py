@@ -1,0 +1,266 @@
+"""`kvpilot bench autotune`: is live re-tuning worth it? A phased workload (bench/autotune_workload.py)
+is sent, request for request and second for second, to a fresh `kvpilot serve` for every static
+configuration of a grid (each `--block-sizes` x `--preemption-modes`), then to a fresh one run by the
+autotuner (bench/autotune_loop.py: the operator's scraper, policy and admin client, started in the
+policy's calm configuration). Every server gets the same KV budget in tokens (`--kv-tokens`, as
+`--num-gpu-blocks-override` of budget / block size), small enough that memory pressure is real.
+
+Per phase and overall: goodput (requests meeting `--slo` per second of the workload), SLO
+attainment, P99 TTFT, ITL and end-to-end latency, failed requests, preemptions and swap traffic
+(from the server's counters), and for the autotuner every switch with the pause it caused. The
+autotuner's greedy outputs are compared with the unswitched default's (block size 16, recompute)
+request by request. JSON (`--output`), a table, and a PNG of latency over time with the switches
+marked; each server's log goes to `autotune-logs/` beside the JSON (else under the temp folder). The tuner's timescales (`--interval`, `--cooldown`, `--min-dwell`) are compressed from the
+operator's production defaults so that a phase of minutes can be tuned at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import secrets
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import flags
+
+# flags this benchmark sets on every server itself
+_OWN_FLAGS = ("--block-size", "--preemption-mode", "--num-gpu-blocks-override", "--port", "--host", "--admin-token")
+DEFAULT_CONFIG = (16, "recompute")  # the unswitched baseline the article measures against
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    name: str
+    block_size: int
+    preemption_mode: str
+    tuned: bool
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload and servers")
+    g.add_argument("--workload", type=Path, default=None, metavar="FILE",
+                   help="phases as YAML (see bench/autotune_workload.py); default: calm, burst, long")
+    g.add_argument("--quick", action="store_true",
+                   help="a CI-sized run: the short built-in workload, blocks 8 and 16, fast tuner timescales, "
+                        "a CPU-sized KV budget and SLO (each still overridable)")
+    g.add_argument("--serve-args", default="", metavar="FLAGS",
+                   help="flags for every kvpilot serve, e.g. \"--model llama-3-8b --load-format dummy\" (default "
+                        "--max-model-len: the workload's longest request rounded up to a power of two)")
+    g.add_argument("--kv-tokens", type=flags.positive_int, default=None,
+                   help="KV budget of every server in tokens (default: 65536; 1024 with --quick)")
+    g.add_argument("--block-sizes", type=int, nargs="+", default=None, choices=(8, 16, 32, 64),
+                   help="the grid's block sizes, also the tuner's allowed ones (default: 8 16 32; 8 16 with --quick)")
+    g.add_argument("--preemption-modes", nargs="+", default=["recompute", "swap"], choices=("recompute", "swap"))
+    g.add_argument("--slo", default=None, metavar="ttft=500ms,itl=50ms",
+                   help="goodput's objective (default: ttft=500ms,itl=50ms; ttft=3s,itl=1s with --quick)")
+    g.add_argument("--seed", type=int, default=0)
+    g = parser.add_argument_group("the autotuner (the operator's spec.autotune)")
+    g.add_argument("--interval", type=flags.positive, default=None, metavar="SECONDS",
+                   help="scrape and decide this often (default 5; 1 with --quick)")
+    g.add_argument("--cooldown", type=float, default=None, metavar="SECONDS",
+                   help="least time between two changes (default 30; 4 with --quick)")
+    g.add_argument("--min-dwell", type=float, default=None, metavar="SECONDS",
+                   help="data needed under the config in force before a decision (default 10; 2 with --quick)")
+    g.add_argument("--queue-depth-high", type=float, default=None,
+                   help="waiting sequences that mean pressure (default 100, the article's; 6 with --quick)")
+    g.add_argument("--queue-depth-low", type=float, default=None,
+                   help="below this (and the preemption low level) pressure ends (default 50; 2 with --quick)")
+    g.add_argument("--preemptions-high", type=float, default=1.0, metavar="PER_S")
+    g.add_argument("--preemptions-low", type=float, default=0.1, metavar="PER_S")
+    g = parser.add_argument_group("output")
+    g.add_argument("--output", type=Path, default=None, metavar="FILE", help="write JSON here and a PNG beside it")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    quick = args.quick
+    for name, normal, small in (("kv_tokens", 65536, 1024), ("block_sizes", [8, 16, 32], [8, 16]),
+                                ("slo", "ttft=500ms,itl=50ms", "ttft=3s,itl=1s"), ("interval", 5.0, 1.0),
+                                ("cooldown", 30.0, 4.0), ("min_dwell", 10.0, 2.0),
+                                ("queue_depth_high", 100.0, 6.0), ("queue_depth_low", 50.0, 2.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, small if quick else normal)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpilot.operator.autotune import SloTargets, Thresholds, TuningSpec
+
+    from .autotune_workload import DEFAULT, QUICK, WorkloadFileError, build_requests, load_phases
+    from .slo import parse_slo
+
+    _defaults(args)
+    try:
+        phases = load_phases(args.workload) if args.workload else (QUICK if args.quick else DEFAULT)
+        slo = parse_slo(args.slo)
+        serve_flags = _serve_flags(args.serve_args)
+        block_sizes = sorted(set(args.block_sizes))
+        modes = list(dict.fromkeys(args.preemption_modes))
+        for b in block_sizes:
+            if args.kv_tokens < b * 2:
+                raise ValueError(f"--kv-tokens: {args.kv_tokens} tokens are under two blocks of {b}")
+        longest = max(p.max_tokens for p in phases)
+        if longest > args.kv_tokens:
+            raise ValueError(f"--kv-tokens: {args.kv_tokens} cannot hold the workload's longest request "
+                             f"({longest} tokens); raise it or shorten the phases")
+        spec = TuningSpec(
+            enabled=True, interval_s=args.interval, allowed_block_sizes=tuple(block_sizes),
+            allowed_preemption_modes=tuple(modes),
+            thresholds=Thresholds(queue_depth_high=args.queue_depth_high, queue_depth_low=args.queue_depth_low,
+                                  preemptions_per_s_high=args.preemptions_high,
+                                  preemptions_per_s_low=args.preemptions_low),
+            slo=SloTargets(ttft_p99_s=slo.ttft_s, itl_p99_s=slo.itl_s),
+            cooldown_s=args.cooldown, min_dwell_s=args.min_dwell)
+    except ValueError as e:  # WorkloadFileError included
+        message = str(e)
+        if not message.startswith("--") and not isinstance(e, WorkloadFileError):
+            message = f"--{message}" if message.startswith("slo:") else message
+        print(f"kvpilot bench autotune: error: {message}", file=sys.stderr)
+        return 2
+    if not any(f.split("=")[0] == "--max-model-len" for f in serve_flags):
+        # the engine needs its cache to hold one full-length sequence; the workload needs no more
+        serve_flags += ["--max-model-len", str(min(args.kv_tokens, 1 << math.ceil(math.log2(longest))))]
+    timed = build_requests(phases, args.seed)
+    plans = [RunPlan(f"static b{b} {m}", b, m, False) for b in block_sizes for m in modes]
+    calm = _calm_within(spec)
+    plans.append(RunPlan("autotuner", calm[0], calm[1], True))
+    from .server_process import ServerStartError
+
+    try:
+        runs = asyncio.run(_run_all(args, plans, phases, timed, serve_flags, spec, slo))
+    except ServerStartError as e:
+        print(f"kvpilot bench autotune: error: {e}", file=sys.stderr)
+        return 1
+    from .autotune_report import build_body, print_table, write_outputs
+
+    body = build_body(args, phases, slo, spec, runs, timed)
+    print_table(body)
+    if args.output:
+        write_outputs(args.output, body)
+        print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
+    return 0
+
+
+def _calm_within(spec: Any) -> tuple[int, str]:
+    """The policy's calm config, moved onto what the grid allows (as the policy itself does)."""
+    block = min(spec.allowed_block_sizes, key=lambda b: (abs(math.log2(b) - math.log2(spec.calm.block_size)), b))
+    mode = spec.calm.preemption_mode if spec.calm.preemption_mode in spec.allowed_preemption_modes \
+        else spec.allowed_preemption_modes[0]
+    return block, mode
+
+
+def _serve_flags(text: str) -> list[str]:
+    from kvpilot.runtime.cli import build_parser
+
+    try:
+        flags_ = shlex.split(text)
+    except ValueError as e:
+        raise ValueError(f"--serve-args: {e}") from None
+    for flag in flags_:
+        if flag.split("=")[0] in _OWN_FLAGS:
+            raise ValueError(f"--serve-args: {flag.split('=')[0]} is set by the benchmark for each server")
+    try:
+        build_parser().parse_args(["serve", *flags_])
+    except SystemExit:
+        raise ValueError(f"--serve-args: kvpilot serve rejects {text!r} (see kvpilot serve --help)") from None
+    return flags_
+
+
+async def _run_all(args: argparse.Namespace, plans: list[RunPlan], phases: Any, timed: list[Any],
+                   serve_flags: list[str], spec: Any, slo: Any) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    total = len(timed) * len(plans)
+    runs = []
+    with tqdm(total=total, unit="req", disable=args.disable_tqdm, file=sys.stderr) as bar:
+        for plan in plans:
+            bar.set_description(plan.name)
+            runs.append(await _one_run(args, plan, timed, serve_flags, spec, bar.update))
+    return runs
+
+
+async def _one_run(args: argparse.Namespace, plan: RunPlan, timed: list[Any], serve_flags: list[str], spec: Any,
+                   progress: Any) -> dict[str, Any]:
+    import aiohttp
+
+    from kvpilot.operator.autotune import EngineLimits, PodEndpoint
+
+    from .autotune_loop import LiveTuner
+    from .loadgen import LoadConfig, run_load
+    from .server_process import serve
+
+    token = secrets.token_hex(16)
+    flags_ = [*serve_flags, "--block-size", str(plan.block_size), "--preemption-mode", plan.preemption_mode,
+              "--num-gpu-blocks-override", str(args.kv_tokens // plan.block_size), "--admin-token", token,
+              "--disable-log-stats"]
+    log_dir = args.output.parent / "autotune-logs" if args.output else Path(tempfile.gettempdir()) / "kvpilot-autotune-logs"
+    async with serve(flags_, log_dir / f"{plan.name.replace(' ', '-')}.log") as base:
+        headers = {"Authorization": f"Bearer {token}"}
+        async with aiohttp.ClientSession(headers=headers) as session, \
+                session.get(f"{base}/admin/config") as response:
+            engine = await response.json()
+            async with session.get(f"{base}/v1/models") as models:
+                model = (await models.json())["data"][0]["id"]
+        parsed = _parsed_serve_flags(serve_flags)
+        limits = EngineLimits(swap_space_gib=parsed.swap_space, max_model_len=int(engine["max_model_len"]),
+                              enable_chunked_prefill=parsed.enable_chunked_prefill)
+        endpoint = PodEndpoint("bench-server", "127.0.0.1", int(base.rsplit(":", 1)[1]))
+        config = LoadConfig(base, model, ignore_eos=True, seed=args.seed)
+        counters = _CounterSampler(endpoint)
+        stop = asyncio.Event()
+        started_at = time.time()
+        tuner = LiveTuner(endpoint, spec, limits, token, started_at) if plan.tuned else None
+        side = [asyncio.create_task(counters.run(stop, started_at))]
+        if tuner is not None:
+            side.append(asyncio.create_task(tuner.run(stop)))
+        try:
+            load = await run_load(config, [t.request for t in timed], progress=progress,
+                                  arrivals=[t.at for t in timed])
+        finally:
+            stop.set()
+            await asyncio.gather(*side)
+    return {"plan": plan, "load": load, "counters": counters.points, "tuner": tuner.log if tuner else None,
+            "num_gpu_blocks": engine["num_blocks"]}
+
+
+def _parsed_serve_flags(serve_flags: list[str]) -> argparse.Namespace:
+    from kvpilot.runtime.cli import build_parser
+
+    return build_parser().parse_args(["serve", *serve_flags])
+
+
+class _CounterSampler:
+    """The server's preemption and swap counters over time (seconds from the load's start), read
+    through the operator's own `/metrics` parser."""
+
+    def __init__(self, endpoint: Any) -> None:
+        self.endpoint = endpoint
+        self.points: list[tuple[float, float, float]] = []  # (t, preemptions, swap bytes)
+
+    async def run(self, stop: asyncio.Event, started_at: float) -> None:
+        import aiohttp
+
+        from kvpilot.operator.autotune.scrape import ScrapeError, fetch_sample
+
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    sample = await fetch_sample(session, self.endpoint, 5.0)
+                except ScrapeError:
+                    pass
+                else:
+                    total = {key: sum(p.value for p in sample.counters[key].values())
+                             for key in ("preemptions", "swap_bytes")}
+                    self.points.append((sample.time - started_at, total["preemptions"], total["swap_bytes"]))
+                if stop.is_set():
+                    return
+                try:
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                except TimeoutError:
+                    pass
