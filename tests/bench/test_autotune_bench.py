@@ -18,12 +18,12 @@ from kvpilot.bench.autotune_workload import QUICK, WorkloadFileError, build_requ
 
 KVPILOT = str(Path(sys.executable).parent / "kvpilot")
 ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
-# a burst far beyond what max_num_seqs 2 runs at once (some 2,560 steps for its ~5,000 tokens),
-# between two calm stretches
+# a burst far beyond what max_num_seqs 2 runs at once (some 7,700 steps for its ~15,000 tokens:
+# seconds of queue even where a step takes half a millisecond), between two calm stretches
 WORKLOAD = """\
 phases:
   - {name: calm, duration: 3, rate: 1, input_len: 16, output_len: 8}
-  - {name: burst, duration: 2, rate: 40, input_len: 24, output_len: 64}
+  - {name: burst, duration: 2, rate: 40, input_len: 24, output_len: 192}
   - {name: after, duration: 15, rate: 0.5, input_len: 16, output_len: 8}
 """
 
