@@ -16,6 +16,7 @@ from kvpilot.operator.reconcile import reconcile
 
 class FakeKube:
     def __init__(self) -> None:
+        self.served = [("autoscaling", "v2")]  # discovery: (group, version) the API server serves
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.writes: list[tuple[str, str, str]] = []
         self.version = 0
@@ -34,6 +35,9 @@ class FakeKube:
             error, self.fail_next = self.fail_next, None
             raise error
         self.writes.append((verb, kind, name))
+
+    def api_groups(self) -> dict[str, Any]:
+        return {"groups": [{"name": g, "versions": [{"version": v}]} for g, v in self.served]}
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         obj = self.objects.get((kind, namespace, name))
