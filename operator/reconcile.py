@@ -65,6 +65,7 @@ class Change:
 class Outcome:
     status: Manifest
     changes: list[Change] = field(default_factory=list)
+    desired: Desired | None = None
 
 
 @dataclass(frozen=True)
@@ -269,4 +270,4 @@ def reconcile(kube: Kube, body: Any, image: str, now: str, extras: Extras = Extr
     generation = body.get("metadata", {}).get("generation", 0)
     status = build_status(body.get("status") or {}, generation, owner, tuned_spec, source, deployment, now,
                           extra_conditions)
-    return Outcome(status=status, changes=changes)
+    return Outcome(status=status, changes=changes, desired=desired)
