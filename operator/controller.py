@@ -31,7 +31,7 @@ from .reconcile import Change, Desired, Extras, reconcile
 from .status import api_error_status, invalid_spec_status, merge_conditions, now_iso, status_changes
 
 if TYPE_CHECKING:
-    from .pilot import PilotSettings, Pilots
+    from .pilot import Pilots, PilotSettings
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +62,13 @@ class Next(Enum):
 
 
 class Controller:
-    def __init__(self, kube: Kube, image: str, instance: str, extras: Extras = Extras(),
+    def __init__(self, kube: Kube, image: str, instance: str, extras: Extras | None = None,
                  pilots: Pilots | None = None) -> None:
         """`instance` names this operator replica in the Events it posts (its pod's name);
         `extras`: the operator's settings every reconcile takes; `pilots`: the services' pilot
         loops (autotune, autoscaling), whose views this, the one status writer, folds into status."""
         self.kube, self.image, self.instance = kube, image, instance
-        self.extras, self.pilots = extras, pilots
+        self.extras, self.pilots = extras or Extras(), pilots
 
     def sync(self, key: Key, failures: int) -> Next:
         """Reconcile `key`; `failures` is how many attempts in a row failed before this one."""

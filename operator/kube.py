@@ -113,7 +113,7 @@ class Kube:
                 return None
             raise
 
-    def list(self, kind: str, namespace: str, selector: str) -> list[Manifest]:
+    def list_objects(self, kind: str, namespace: str, selector: str) -> list[Manifest]:
         """The objects of `kind` in `namespace` whose labels match `selector` (k=v,k=v)."""
         return list(self._request("GET", _path(kind, namespace), query=[("labelSelector", selector)]).get("items") or [])
 

@@ -46,7 +46,7 @@ from .engine_args import SERVE_PORT
 from .events import build_event
 from .kube import ApiError, Kube
 from .manifests import ADMIN_TOKEN_KEY, Owner, selector_string
-from .status import condition, now_iso
+from .status import now_iso
 
 if TYPE_CHECKING:
     from .controller import Key
@@ -199,7 +199,7 @@ class Pilot:
         if body is None:
             return
         self.body = body
-        items = await asyncio.to_thread(self.kube.list, "Pod", key.namespace, selector_string(self.settings.owner))
+        items = await asyncio.to_thread(self.kube.list_objects, "Pod", key.namespace, selector_string(self.settings.owner))
         pods = classify(items)
         report = await self.scraper.scrape(pods.endpoints)
         now = self.clock()

@@ -8,9 +8,22 @@ cannot work becomes the Degraded InvalidSpec condition instead of a loop that ne
 
 from __future__ import annotations
 
-from .autoscale.scaling_spec import Behavior, ScalingPolicy, ScalingRules, ScalingSpec
-from .autoscale.scaling_spec import SCALE_DOWN, SCALE_UP
-from .autotune.tuning_spec import CanarySpec, EngineTarget, KnobRange, SloTargets, Thresholds, TuningSpec
+from .autoscale.scaling_spec import (
+    SCALE_DOWN,
+    SCALE_UP,
+    Behavior,
+    ScalingPolicy,
+    ScalingRules,
+    ScalingSpec,
+)
+from .autotune.tuning_spec import (
+    CanarySpec,
+    EngineTarget,
+    KnobRange,
+    SloTargets,
+    Thresholds,
+    TuningSpec,
+)
 from .model_source import SpecError
 from .spec import AutoscalingSpec, AutotuneSpec, EngineTargetSpec, RangeSpec, ScalingRulesSpec
 
