@@ -235,11 +235,14 @@ class Pilot:
         return self._token
 
     def _publish(self) -> None:
-        conditions = tuple(c for c in (self.tuner.condition, self.scaler.condition) if c is not None)
+        tuning = self.settings.tuning.enabled
+        builtin = self.settings.scaling.enabled and self.settings.scaling.mode == "builtin"
+        conditions = tuple(c for c in (self.tuner.condition if tuning else None,
+                                       self.scaler.condition if builtin else None) if c is not None)
         fields: Manifest = {"decisions": self.decisions}
-        if self.settings.tuning.enabled:
+        if tuning:
             fields["tuning"] = self.tuner.status()
-        if self.settings.scaling.enabled and self.settings.scaling.mode == "builtin":
+        if builtin:
             fields["scaling"] = self.scaler.status()
         if self.metrics is not None:
             fields["metrics"] = self.metrics
