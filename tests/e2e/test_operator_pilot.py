@@ -146,6 +146,7 @@ async def test_a_burst_switches_the_config_through_a_canary_and_the_calm_switche
         await eventually(lambda: all(e.settings == (8, "swap") for e in engines.values()), timeout=40,
                          what="both pods on the pressure config")
         canary_pod = next(p for p, e in engines.items() if e.posts)
+        await eventually(lambda: "TuningPromoted" in _reasons(cluster), what="the TuningPromoted Event")
         assert "TuningCanary" in _reasons(cluster)
         await eventually(lambda: _status(cluster).get("tuning", {}).get("config", {}).get("blockSize") == 8,
                          what="status.tuning.config")
@@ -157,7 +158,6 @@ async def test_a_burst_switches_the_config_through_a_canary_and_the_calm_switche
         kinds = [d["reason"].split(":")[0] for d in status["decisions"]]
         assert kinds[:2] == [f"canary on pod {canary_pod}", f"promoted from pod {canary_pod}"]
         assert status["decisions"][0]["metrics"]["queueDepth"] == 150
-        assert "TuningPromoted" in _reasons(cluster)
         tuned = await eventually(functools.partial(cluster.get, "configmaps", "smol-tuned"), what="the ConfigMap")
         await eventually(lambda: json.loads(cluster.get("configmaps", "smol-tuned")["data"]["tuned.json"])
                          .get("block_size") == 8, what="the tuned config in the ConfigMap")
@@ -170,7 +170,7 @@ async def test_a_burst_switches_the_config_through_a_canary_and_the_calm_switche
         await eventually(lambda: engines["smol-b"].settings == (8, "swap"), timeout=20,
                          what="the restarted pod brought back to the tuned config")
         assert len(engines["smol-a"].posts) == posts_a
-        assert "TuningConverged" in _reasons(cluster)
+        await eventually(lambda: "TuningConverged" in _reasons(cluster), what="the TuningConverged Event")
 
         for engine in engines.values():
             engine.waiting = 0  # below queueDepthLow 50 with no preemptions: calm
@@ -195,7 +195,7 @@ async def test_a_pod_that_refuses_the_admin_call_leaves_the_service_on_its_confi
         assert "stays on block_size 16, recompute" in tuned["message"]
         assert engines["smol-a"].settings == (16, "recompute")
         assert "config" not in _status(cluster).get("tuning", {})
-        assert "AdminCallFailed" in _reasons(cluster)
+        await eventually(lambda: "AdminCallFailed" in _reasons(cluster), what="the AdminCallFailed Event")
 
 
 async def test_builtin_autoscaling_writes_replicas_through_the_scale_subresource(cluster: Any, pods: Any) -> None:
@@ -216,7 +216,7 @@ async def test_builtin_autoscaling_writes_replicas_through_the_scale_subresource
         (decision,) = [d for d in _status(cluster)["decisions"] if d["kind"] == "scale"][:1]
         assert (decision["from"], decision["to"]) == ("2", "4")
         assert decision["metrics"]["kvCacheUsage"] == pytest.approx(0.9)
-        assert "Scaled" in _reasons(cluster)
+        await eventually(lambda: "Scaled" in _reasons(cluster), what="the Scaled Event")
         for name in engines:  # deletion costs follow the load: 8 running per pod, in hundredths
             pod = cluster.get("pods", name)
             assert pod["metadata"]["annotations"]["controller.kubernetes.io/pod-deletion-cost"] == "800"
