@@ -5,9 +5,9 @@ loopback.
 Each stand-in serves what a `kvpilot serve` pod serves to the operator — `/metrics` in the
 runtime's names and buckets (tests/support/autotune_fixtures.PodMetrics) and Bearer-authenticated
 `GET/POST /admin/config` with the engine's answer layout — and nothing else: a real server with
-a burst that queues over a hundred requests takes minutes on two cores, while the scraper and
-the admin client are tested against a real `kvpilot serve` in tests/operator. The queue and the
-KV usage a stand-in reports are set by the test; every scrape counts five finished requests.
+a burst that queues over a hundred requests takes minutes on two cores. The queue and the KV
+usage a stand-in reports are set by the test; every scrape counts five finished requests. The
+last test drives a real `kvpilot serve` (the embedded model on CPU) through a canary instead.
 """
 
 from __future__ import annotations
@@ -236,3 +236,85 @@ async def test_keda_without_its_crds_and_monitoring_without_prometheus_operator_
                          what="Monitored=False PodMonitorApiMissing")
         assert cluster.condition("smol", "Ready") is not None  # the reconcile went on
         assert not [c for c in cluster.emulator.calls if c[1] in ("scaledobjects", "podmonitors")]
+
+
+@pytest.mark.slow
+async def test_a_real_kvpilot_serve_is_tuned_live(cluster: Any, tmp_path: Path) -> None:
+    """The whole chain with the real engine: its `/metrics`, its `/admin/config` and its own
+    answer afterwards. An idle service off its calm config is moved to it (calm here: block size
+    32), through a canary judged on real requests."""
+    import asyncio
+    import os
+    import subprocess
+
+    from server_harness import free_port
+
+    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 0}, "replicas": 1,
+            "engine": {"swapSpace": 0, "maxModelLen": 256, "maxNumSeqs": 4},
+            "autotune": {**FAST_TUNING, "allowedPreemptionModes": ["recompute"], "calm": {"blockSize": 32},
+                         "canary": {"window": "8s", "timeout": "60s", "minRequests": 1, "tolerance": 0.9}}}
+    async with operator():
+        await cluster.create_isvc("smol", spec)
+        secret = await eventually(functools.partial(cluster.get, "secrets", "smol-admin"), what="the admin Secret")
+        token = base64.b64decode(secret["data"]["token"]).decode()
+        port = free_port()
+        log = (tmp_path / "serve.log").open("w")
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "kvpilot"), "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--max-model-len", "256", "--max-num-seqs", "4", "--swap-space", "0", "--block-size", "16",
+             "--served-model-name", "smol", "--disable-log-stats"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONSAFEPATH": "1", "KVPILOT_ADMIN_TOKEN": token})
+        base = f"http://127.0.0.1:{port}"
+        stop = asyncio.Event()
+
+        async def traffic() -> None:
+            while not stop.is_set():
+                try:
+                    async with cluster.session.post(f"{base}/v1/completions", json={
+                            "model": "smol", "prompt": "The capital of France is", "max_tokens": 4}) as response:
+                        await response.read()
+                        assert response.status == 200, await response.text()
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.2)
+
+        async def ready() -> bool:
+            try:
+                async with cluster.session.get(f"{base}/ready") as response:
+                    return response.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        try:
+            for _ in range(900):
+                assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
+                if await ready():
+                    break
+                await asyncio.sleep(0.2)
+            load = asyncio.create_task(traffic())
+            await cluster.request("POST", f"/api/v1/namespaces/{NS}/pods", {
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "smol-a", "namespace": NS, "labels": SELECTOR},
+                "spec": {"containers": [{"name": "server", "ports": [{"name": "http", "containerPort": port}]}]},
+                "status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
+                "application/json")
+            try:
+                await eventually(lambda: _status(cluster).get("tuning", {}).get("config", {}).get("blockSize") == 32,
+                                 timeout=150, what="the service tuned to block size 32")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; status: {_status(cluster)}; events: {cluster.events('smol')}") from None
+            stop.set()
+            await load
+            async with cluster.session.get(f"{base}/admin/config",
+                                           headers={"Authorization": f"Bearer {token}"}) as response:
+                engine = await response.json()
+            assert engine["block_size"] == 32 and engine["preemption_mode"] == "recompute"
+            reasons = _reasons(cluster)
+            assert "TuningCanary" in reasons and "TuningPromoted" in reasons
+            assert _status(cluster)["tuning"]["pods"] == [{"pod": "smol-a", "blockSize": 32,
+                                                           "preemptionMode": "recompute"}]
+        finally:
+            stop.set()
+            if "load" in locals():
+                load.cancel()
+            proc.terminate()
+            await asyncio.to_thread(proc.wait, 60)
+            log.close()
