@@ -106,6 +106,12 @@ class Controller:
             for change in outcome.changes:
                 self._report_change(body, change)
             status = outcome.status
+            if outcome.desired is not None:  # a loop turned off: its state goes (null deletes in a merge patch)
+                scaling = outcome.desired.scaling
+                off = {"tuning": not outcome.desired.tuning.enabled,
+                       "scaling": not (scaling.enabled and scaling.mode == "builtin")}
+                for stale in (k for k, gone in off.items() if gone and (body.get("status") or {}).get(k) is not None):
+                    status = {**status, stale: None}
             if view is not None:
                 generation = body["metadata"].get("generation", 0)
                 status = {**status, **view.fields,
@@ -113,7 +119,8 @@ class Controller:
                                                          now_iso())}
             self._write_status(body, status)
             if outcome.desired is not None:
-                self._pilot(key, self._pilot_settings(outcome.desired), status)
+                # what status holds after the write: a new pilot (an operator restart) starts from it
+                self._pilot(key, self._pilot_settings(outcome.desired), {**(body.get("status") or {}), **status})
             return Next.DONE
         except ApiError as exc:
             metrics.API_ERRORS.labels(status=str(exc.status)).inc()

@@ -180,6 +180,27 @@ async def test_a_burst_switches_the_config_through_a_canary_and_the_calm_switche
                          what="status.tuning.config back to 16")
 
 
+async def test_after_an_operator_restart_the_tuned_config_in_status_is_kept_and_pods_are_brought_to_it(
+        cluster: Any, pods: Any) -> None:
+    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 1,
+            "engine": {"swapSpace": 1}, "autotune": FAST_TUNING}
+    tuned = {"blockSize": 8, "preemptionMode": "swap", "maxNumSeqs": 256, "maxNumBatchedTokens": 2048,
+             "schedulerPolicy": "fcfs"}
+    await cluster.request("POST", _lifecycle.IS_PATH, {
+        "apiVersion": "serving.kvpilot.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "smol", "namespace": NS}, "spec": spec,
+        "status": {"tuning": {"config": tuned, "lastChangeTime": "2026-01-01T00:00:00Z"}}}, "application/json")
+    async with operator():  # as if it had tuned the service before it restarted
+        engines = await pods(["smol-a"])
+        engines["smol-a"].waiting = 150  # the pressure the tuned config is for
+        await eventually(lambda: engines["smol-a"].settings == (8, "swap"), timeout=20,
+                         what="the pod brought to the tuned config")
+        await eventually(lambda: "TuningConverged" in _reasons(cluster), what="the TuningConverged Event")
+        assert "TuningCanary" not in _reasons(cluster)
+        assert _status(cluster)["tuning"]["config"] == tuned
+        await eventually(lambda: json.loads((cluster.get("configmaps", "smol-tuned") or {"data": {"tuned.json": "{}"}})
+                                            ["data"]["tuned.json"]).get("block_size") == 8, what="the ConfigMap")
+
 async def test_a_pod_that_refuses_the_admin_call_leaves_the_service_on_its_config(cluster: Any, pods: Any) -> None:
     spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 1,
             "engine": {"swapSpace": 1}, "autotune": FAST_TUNING}
