@@ -6,6 +6,8 @@ import argparse
 import logging
 import os
 
+from . import monitoring
+
 DEFAULT_IMAGE = "ghcr.io/kvpilot/kvpilot-runtime:0.1.0"  # docker/runtime.Dockerfile
 
 
@@ -34,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--workers", type=int, default=4,
                         help="InferenceServices reconciled at once (default %(default)s)")
+    parser.add_argument("--prometheus-address", default=None, metavar="URL",
+                        help="Prometheus that KEDA ScaledObjects query (spec.autoscaling.mode keda) when a spec "
+                             "names none, e.g. http://prometheus.monitoring.svc:9090")
+    monitoring.add_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     parser.add_argument("--debug", action="store_true", help="log everything, including API traffic")
 
@@ -50,10 +56,16 @@ def run(args: argparse.Namespace) -> int:
         print("kvpilot operator: --peering and --standalone exclude each other")
         return 2
     try:
+        engine_monitoring = monitoring.from_args(args)
+    except ValueError as exc:  # already names the flag
+        print(f"kvpilot operator: {exc}")
+        return 2
+    try:
         config = handlers.OperatorConfig(image=args.image, resync_interval=args.resync_interval,
-                                         workers=args.workers, health_port=args.health_port)
+                                         workers=args.workers, health_port=args.health_port,
+                                         monitoring=engine_monitoring, prometheus_address=args.prometheus_address)
     except ValueError as exc:
-        print(f"kvpilot operator: --{str(exc).replace('_', '-')}")
+        print(f"kvpilot operator: --{str(exc).split(':')[0].replace('_', '-')}:{str(exc).partition(':')[2]}")
         return 2
     kopf.configure(verbose=args.verbose, debug=args.debug)
     logging.getLogger("kubernetes").setLevel(logging.WARNING)

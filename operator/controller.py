@@ -15,19 +15,23 @@ else wrote first, and the key simply runs again on fresh data). Runs in a worker
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import metrics
 from .events import build_event
 from .kube import ApiError, Kube
 from .manifests import GROUP
 from .model_source import SpecError
-from .reconcile import Change, reconcile
-from .status import api_error_status, invalid_spec_status, now_iso, status_changes
+from .reconcile import Change, Desired, Extras, reconcile
+from .status import api_error_status, invalid_spec_status, merge_conditions, now_iso, status_changes
+
+if TYPE_CHECKING:
+    from .pilot import Pilots, PilotSettings
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +62,13 @@ class Next(Enum):
 
 
 class Controller:
-    def __init__(self, kube: Kube, image: str, instance: str) -> None:
-        """`instance` names this operator replica in the Events it posts (its pod's name)."""
+    def __init__(self, kube: Kube, image: str, instance: str, extras: Extras | None = None,
+                 pilots: Pilots | None = None) -> None:
+        """`instance` names this operator replica in the Events it posts (its pod's name);
+        `extras`: the operator's settings every reconcile takes; `pilots`: the services' pilot
+        loops (autotune, autoscaling), whose views this, the one status writer, folds into status."""
         self.kube, self.image, self.instance = kube, image, instance
+        self.extras, self.pilots = extras or Extras(), pilots
 
     def sync(self, key: Key, failures: int) -> Next:
         """Reconcile `key`; `failures` is how many attempts in a row failed before this one."""
@@ -77,13 +85,18 @@ class Controller:
         try:
             body = self.kube.get("InferenceService", key.namespace, key.name)
             if body is None:  # deleted: the garbage collector removes the children
+                self._pilot(key, None, {})
                 return Next.DONE
             self._release_legacy_finalizer(body)
             if body["metadata"].get("deletionTimestamp"):
+                self._pilot(key, None, {})
                 return Next.DONE
+            view = self.pilots.view(key) if self.pilots is not None else None
+            extras = dataclasses.replace(self.extras, tuned=view.tuned if view is not None else None)
             try:
-                outcome = reconcile(self.kube, body, self.image, now_iso())
+                outcome = reconcile(self.kube, body, self.image, now_iso(), extras)
             except SpecError as exc:
+                self._pilot(key, None, {})
                 return self._give_up(body, str(exc))
             except ApiError as exc:
                 if not exc.invalid:
@@ -92,7 +105,22 @@ class Controller:
                 return self._give_up(body, f"the API server rejected a child object: {exc}")
             for change in outcome.changes:
                 self._report_change(body, change)
-            self._write_status(body, outcome.status)
+            status = outcome.status
+            if outcome.desired is not None:  # a loop turned off: its state goes (null deletes in a merge patch)
+                scaling = outcome.desired.scaling
+                off = {"tuning": not outcome.desired.tuning.enabled,
+                       "scaling": not (scaling.enabled and scaling.mode == "builtin")}
+                for stale in (k for k, gone in off.items() if gone and (body.get("status") or {}).get(k) is not None):
+                    status = {**status, stale: None}
+            if view is not None:
+                generation = body["metadata"].get("generation", 0)
+                status = {**status, **view.fields,
+                          "conditions": merge_conditions(status["conditions"], list(view.conditions), generation,
+                                                         now_iso())}
+            self._write_status(body, status)
+            if outcome.desired is not None:
+                # what status holds after the write: a new pilot (an operator restart) starts from it
+                self._pilot(key, self._pilot_settings(outcome.desired), {**(body.get("status") or {}), **status})
             return Next.DONE
         except ApiError as exc:
             metrics.API_ERRORS.labels(status=str(exc.status)).inc()
@@ -103,6 +131,21 @@ class Controller:
             if body is not None and (failures + 1 >= PERSISTENT_AFTER or exc.status in (401, 403)):
                 self._report_api_error(body, exc)
             return Next.BACK_OFF
+
+    def _pilot(self, key: Key, settings: PilotSettings | None, status: Manifest) -> None:
+        if self.pilots is not None:
+            self.pilots.sync(key, settings, status)
+
+    def _pilot_settings(self, desired: Desired) -> PilotSettings:
+        from .autotune.live_config import EngineLimits
+        from .pilot import PilotSettings
+
+        engine = desired.spec.engine
+        # Without chunked prefill a step must hold a whole prompt: the engine refuses a smaller
+        # max_num_batched_tokens than max_model_len, which the spec may leave to the model.
+        limits = EngineLimits(swap_space_gib=engine.swap_space, max_model_len=engine.max_model_len or 1,
+                              enable_chunked_prefill=engine.enable_chunked_prefill)
+        return PilotSettings(desired.owner, desired.tuning, desired.scaling, limits, self.instance)
 
     def _release_legacy_finalizer(self, body: Manifest) -> None:
         finalizers = body["metadata"].get("finalizers") or []

@@ -18,15 +18,20 @@ from typing import Any
 
 import kopf
 
+from .autoscale.scaling_spec import check_prometheus_address
 from .controller import Controller, Key
 from .health import Health
 from .kube import Kube
 from .manifests import GROUP, INSTANCE_LABEL, MANAGED_BY, PLURAL, VERSION
+from .monitoring import EngineMonitoring
+from .pilot import Pilots
+from .reconcile import Extras
 from .runner import Runner
 
 # The children the operator writes: an event on any of them runs its owner again.
 CHILDREN = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "secrets"),
-            ("policy", "v1", "poddisruptionbudgets"))
+            ("policy", "v1", "poddisruptionbudgets"), ("", "v1", "configmaps"),
+            ("autoscaling", "v2", "horizontalpodautoscalers"))
 MAX_API_RETRY_SECONDS = 10.0
 
 
@@ -36,12 +41,16 @@ class OperatorConfig:
     resync_interval: float = 300.0
     workers: int = 4
     health_port: int = 0  # 0: no probe endpoints
+    monitoring: EngineMonitoring = EngineMonitoring()  # the PodMonitor per InferenceService
+    prometheus_address: str | None = None  # KEDA's Prometheus when a spec names none
 
     def __post_init__(self) -> None:
         if self.resync_interval <= 0:
             raise ValueError(f"resync_interval: must be > 0, not {self.resync_interval}")
         if self.workers < 1:
             raise ValueError(f"workers: must be >= 1, not {self.workers}")
+        if self.prometheus_address is not None:
+            check_prometheus_address(self.prometheus_address)
 
 
 class RetryForever:
@@ -75,7 +84,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         settings.watching.connect_timeout = MAX_API_RETRY_SECONDS
         kube = Kube.from_environment()
         memo.kube = kube
-        memo.runner = Runner(Controller(kube, config.image, instance), config.workers, config.resync_interval)
+        memo.pilots = Pilots(kube, instance, lambda key: memo.runner.add(key))
+        extras = Extras(monitoring=config.monitoring, prometheus_address=config.prometheus_address)
+        controller = Controller(kube, config.image, instance, extras, memo.pilots)
+        memo.runner = Runner(controller, config.workers, config.resync_interval)
         await memo.runner.start()
         memo.health = Health(kube.ping)
         if config.health_port:
@@ -85,6 +97,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     async def stop(memo: kopf.Memo, **_: Any) -> None:
         if getattr(memo, "health", None) is not None:
             await memo.health.close()
+        if getattr(memo, "pilots", None) is not None:
+            await memo.pilots.close()
         if getattr(memo, "runner", None) is not None:
             await memo.runner.stop()
         if getattr(memo, "kube", None) is not None:

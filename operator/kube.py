@@ -25,6 +25,11 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Event": ("/api/v1", "events"),
     "InferenceService": ("/apis/serving.kvpilot.io/v1alpha1", "inferenceservices"),
+    "Pod": ("/api/v1", "pods"),
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
+    "ScaledObject": ("/apis/keda.sh/v1alpha1", "scaledobjects"),
+    "PodMonitor": ("/apis/monitoring.coreos.com/v1", "podmonitors"),
 }
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
@@ -79,10 +84,10 @@ class Kube:
         self._client.close()
 
     def _request(self, method: str, path: str, body: Any = None,
-                 content_type: str = "application/json") -> Manifest:
+                 content_type: str = "application/json", query: list[tuple[str, str]] | None = None) -> Manifest:
         headers = {"Accept": "application/json", "Content-Type": content_type}
         request = self._client.param_serialize(method=method, resource_path=path, header_params=headers,
-                                               body=body, auth_settings=["BearerToken"])
+                                               query_params=query, body=body, auth_settings=["BearerToken"])
         try:
             response = self._client.call_api(*request, _request_timeout=self._timeout)
             response.read()
@@ -107,6 +112,14 @@ class Kube:
             if exc.not_found:
                 return None
             raise
+
+    def list_objects(self, kind: str, namespace: str, selector: str) -> list[Manifest]:
+        """The objects of `kind` in `namespace` whose labels match `selector` (k=v,k=v)."""
+        return list(self._request("GET", _path(kind, namespace), query=[("labelSelector", selector)]).get("items") or [])
+
+    def api_groups(self) -> Manifest:
+        """Discovery: the APIGroupList of `GET /apis` (which groups and versions the cluster serves)."""
+        return self._request("GET", "/apis")
 
     def create(self, obj: Manifest) -> Manifest:
         meta = obj["metadata"]

@@ -27,6 +27,9 @@ SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"
 MANAGED_BY = "kvpilot-operator"
 CACHE_DIR = "/var/cache/kvpilot"
 ADMIN_TOKEN_KEY = "token"
+# The live config the autotuner tuned the service to, which a pod (re)started later reads at start.
+TUNED_CONFIG_DIR = "/etc/kvpilot/tuned"
+TUNED_CONFIG_KEY = "tuned.json"
 PROBE_PERIOD_SECONDS = 10
 
 Manifest = dict[str, Any]
@@ -48,6 +51,14 @@ class Owner:
     @property
     def admin_secret_name(self) -> str:
         return f"{self.name}-admin"
+
+    @property
+    def tuned_config_name(self) -> str:
+        return f"{self.name}-tuned"
+
+
+def tunes_live(spec: InferenceServiceSpec) -> bool:
+    return spec.autotune.enabled and spec.autotune.apply == "live"
 
 
 def selector_labels(owner: Owner) -> dict[str, str]:
@@ -152,6 +163,14 @@ def _volumes(spec: InferenceServiceSpec, source: ModelSource) -> tuple[list[Mani
     return volumes, mounts
 
 
+def _tuned_volume(owner: Owner, spec: InferenceServiceSpec) -> tuple[list[Manifest], list[Manifest]]:
+    """The tuned-config ConfigMap, optional: a pod that starts before the first tuning runs its flags."""
+    if not tunes_live(spec):
+        return [], []
+    return ([{"name": "tuned", "configMap": {"name": owner.tuned_config_name, "optional": True}}],
+            [{"name": "tuned", "mountPath": TUNED_CONFIG_DIR, "readOnly": True}])
+
+
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> Manifest:
     return {
         "httpGet": {"path": path, "port": "http"},
@@ -164,12 +183,16 @@ def _probe(path: str, period: int, failures: int, timeout: int = 5) -> Manifest:
 def build_container(owner: Owner, spec: InferenceServiceSpec, source: ModelSource, image: str) -> Manifest:
     served_name = spec.model.served_model_name or owner.name
     _, mounts = _volumes(spec, source)
+    mounts += _tuned_volume(owner, spec)[1]
+    args = serve_args(spec, source, served_name)
+    if tunes_live(spec):
+        args += ["--tuned-config", f"{TUNED_CONFIG_DIR}/{TUNED_CONFIG_KEY}"]
     return {
         "name": "server",
         "image": image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["kvpilot", "serve"],
-        "args": serve_args(spec, source, served_name),
+        "args": args,
         "ports": [{"name": "http", "containerPort": SERVE_PORT, "protocol": "TCP"}],
         "env": _env(owner, spec),
         "resources": _resources(spec),
@@ -194,6 +217,7 @@ def build_container(owner: Owner, spec: InferenceServiceSpec, source: ModelSourc
 
 def build_deployment(owner: Owner, spec: InferenceServiceSpec, source: ModelSource, image: str) -> Manifest:
     volumes, _ = _volumes(spec, source)
+    volumes += _tuned_volume(owner, spec)[0]
     placement = spec.placement
     pod_spec: Manifest = {
         "containers": [build_container(owner, spec, source, image)],
@@ -271,6 +295,22 @@ def build_admin_secret(owner: Owner, token: str) -> Manifest:
         "type": "Opaque",
         "stringData": {ADMIN_TOKEN_KEY: token},
     }
+
+
+def build_tuned_config_map(owner: Owner, tuned: Manifest) -> Manifest:
+    """`tuned`: the live tunables in `GET /admin/config`'s names ({} before the first tuning)."""
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(owner, owner.tuned_config_name),
+        "data": {TUNED_CONFIG_KEY: json.dumps(tuned, sort_keys=True)},
+    }
+    return with_spec_hash(config_map)
+
+
+def child_metadata(owner: Owner, name: str) -> Manifest:
+    """Name, namespace, labels and the controller ownerReference, as every child carries them."""
+    return _metadata(owner, name)
 
 
 def build_pdb(owner: Owner, spec: InferenceServiceSpec) -> Manifest:

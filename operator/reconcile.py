@@ -12,12 +12,18 @@ deletion never waits for the operator.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic
 
+from .autoscale.hpa import build_hpa
+from .autoscale.keda import KEDA_GROUP, KEDA_VERSION, build_scaled_object, missing_api
+from .autoscale.scaling_spec import ScalingSpec
+from .autotune.live_config import LiveConfig
+from .autotune.tuning_spec import TuningSpec
 from .compare import covers
 from .kube import Kube
 from .manifests import (
@@ -28,10 +34,18 @@ from .manifests import (
     build_deployment,
     build_pdb,
     build_service,
+    build_tuned_config_map,
+    child_metadata,
+    tunes_live,
+    with_spec_hash,
 )
 from .model_source import ModelSource, SpecError, resolve_model_source
+from .monitoring import EngineMonitoring, build_pod_monitor
+from .pilot_spec import scaling_spec, tuning_spec
 from .spec import InferenceServiceSpec
-from .status import build_status
+from .status import build_status, condition
+
+MONITORING_GROUP, MONITORING_VERSION = "monitoring.coreos.com", "v1"
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,7 @@ class Change:
 class Outcome:
     status: Manifest
     changes: list[Change] = field(default_factory=list)
+    desired: Desired | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,18 @@ class Desired:
     owner: Owner
     spec: InferenceServiceSpec
     source: ModelSource
+    tuning: TuningSpec
+    scaling: ScalingSpec
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What the reconcile takes besides the InferenceService: the operator's settings and the
+    pilot's tuned config (None until it tuned something)."""
+
+    tuned: LiveConfig | None = None
+    monitoring: EngineMonitoring = EngineMonitoring()
+    prometheus_address: str | None = None  # KEDA's Prometheus when the spec names none
 
 
 def parse(body: Any) -> Desired:
@@ -68,7 +95,23 @@ def parse(body: Any) -> Desired:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise SpecError(f"spec.{where}: {first['msg']}") from exc
-    return Desired(owner=Owner.from_body(body), spec=spec, source=resolve_model_source(spec.model.source))
+    return Desired(owner=Owner.from_body(body), spec=spec, source=resolve_model_source(spec.model.source),
+                   tuning=tuning_spec(spec.autotune), scaling=scaling_spec(spec.autoscaling))
+
+
+def with_tuned(spec: InferenceServiceSpec, tuned: LiveConfig | None) -> InferenceServiceSpec:
+    """`spec` with the tuned live values in its engine section."""
+    if tuned is None:
+        return spec
+    engine = spec.engine.model_copy(update={
+        "block_size": tuned.block_size, "preemption_mode": tuned.preemption_mode,
+        "max_num_seqs": tuned.max_num_seqs, "max_num_batched_tokens": tuned.max_num_batched_tokens,
+        "scheduler_policy": tuned.scheduler_policy})
+    return spec.model_copy(update={"engine": engine})
+
+
+def _served(groups: Manifest) -> set[tuple[str, str]]:
+    return {(g["name"], v["version"]) for g in groups.get("groups") or [] for v in g.get("versions") or []}
 
 
 def _is_owned_by(obj: Manifest, owner: Owner) -> bool:
@@ -145,17 +188,86 @@ def _delete_owned(kube: Kube, kind: str, owner: Owner, name: str, changes: list[
         changes.append(Change("Deleted", kind, name))
 
 
-def reconcile(kube: Kube, body: Any, image: str, now: str) -> Outcome:
+def _tuned_config(kube: Kube, desired: Desired, tuned: LiveConfig | None, changes: list[Change]) -> None:
+    """The ConfigMap a pod started later reads its tuned config from (apply: live)."""
+    owner = desired.owner
+    if tunes_live(desired.spec):
+        values = {} if tuned is None else dataclasses.asdict(tuned)
+        apply(kube, owner, build_tuned_config_map(owner, values), changes)
+    else:
+        _delete_owned(kube, "ConfigMap", owner, owner.tuned_config_name, changes)
+
+
+def _autoscaler(kube: Kube, desired: Desired, extras: Extras, served: set[tuple[str, str]],
+                changes: list[Change]) -> Manifest | None:
+    """The HPA or ScaledObject of modes hpa and keda; the ScalingActive condition where this
+    reconcile decides it (None: the pilot does, in mode builtin, or autoscaling is off)."""
+    owner, scaling = desired.owner, desired.scaling
+    mode = scaling.mode if scaling.enabled else None
+    keda_served = (KEDA_GROUP, KEDA_VERSION) in served
+    if mode != "hpa":
+        _delete_owned(kube, "HorizontalPodAutoscaler", owner, owner.name, changes)
+    if mode != "keda" and keda_served:
+        _delete_owned(kube, "ScaledObject", owner, owner.name, changes)
+    groups = {"groups": [{"name": g, "versions": [{"version": v}]} for g, v in served]}
+    if mode == "hpa":
+        apply(kube, owner, with_spec_hash(build_hpa(owner.name, scaling, child_metadata(owner, owner.name))), changes)
+        missing = missing_api(groups, "hpa")
+        if missing is not None:
+            return condition("ScalingActive", False, missing.reason, missing.message)
+        return condition("ScalingActive", True, "HorizontalPodAutoscaler",
+                         f"HorizontalPodAutoscaler {owner.name} scales on {scaling.metric} (target {scaling.target:g})")
+    if mode == "keda":
+        missing = missing_api(groups, "keda")
+        if missing is not None:
+            return condition("ScalingActive", False, missing.reason, missing.message)
+        try:
+            scaled_object = build_scaled_object(owner.name, scaling, child_metadata(owner, owner.name),
+                                                default_prometheus_address=extras.prometheus_address)
+        except ValueError as exc:
+            return condition("ScalingActive", False, "PrometheusAddressMissing", str(exc).partition(": ")[2])
+        apply(kube, owner, with_spec_hash(scaled_object), changes)
+        return condition("ScalingActive", True, "ScaledObject",
+                         f"KEDA ScaledObject {owner.name} scales on {scaling.metric} (target {scaling.target:g})")
+    if mode is None:
+        return condition("ScalingActive", False, "AutoscalingDisabled", "spec.autoscaling.enabled is false")
+    return None
+
+
+def _pod_monitor(kube: Kube, owner: Owner, monitoring: EngineMonitoring, served: set[tuple[str, str]],
+                 changes: list[Change]) -> Manifest:
+    """The PodMonitor (operator flag --engine-monitoring) and the Monitored condition."""
+    if not monitoring.enabled:
+        return condition("Monitored", False, "MonitoringDisabled",
+                         "the operator runs without --engine-monitoring (chart: engineMonitoring.enabled)")
+    if (MONITORING_GROUP, MONITORING_VERSION) not in served:
+        return condition("Monitored", False, "PodMonitorApiMissing",
+                         f"the API server serves no {MONITORING_GROUP}/{MONITORING_VERSION}: install the "
+                         f"prometheus-operator CRDs so a PodMonitor can make Prometheus scrape the engines")
+    apply(kube, owner, build_pod_monitor(owner, monitoring), changes)
+    return condition("Monitored", True, "PodMonitor", f"PodMonitor {owner.name} scrapes every engine pod")
+
+
+def reconcile(kube: Kube, body: Any, image: str, now: str, extras: Extras = Extras()) -> Outcome:
     desired = parse(body)
     owner, spec, source = desired.owner, desired.spec, desired.source
+    tuned = extras.tuned if spec.autotune.enabled else None
+    tuned_spec = with_tuned(spec, tuned)
     changes: list[Change] = []
     ensure_admin_secret(kube, owner, changes)
-    deployment = apply(kube, owner, build_deployment(owner, spec, source, spec.image or image), changes)
+    _tuned_config(kube, desired, tuned, changes)
+    pod_spec = tuned_spec if spec.autotune.apply == "rollout" else spec
+    deployment = apply(kube, owner, build_deployment(owner, pod_spec, source, spec.image or image), changes)
     apply(kube, owner, build_service(owner), changes)
     if spec.pod_disruption_budget.enabled:
         apply(kube, owner, build_pdb(owner, spec), changes)
     else:
         _delete_owned(kube, "PodDisruptionBudget", owner, owner.name, changes)
+    served = _served(kube.api_groups())
+    extra_conditions = [_pod_monitor(kube, owner, extras.monitoring, served, changes)]
+    if (scaling := _autoscaler(kube, desired, extras, served, changes)) is not None:
+        extra_conditions.append(scaling)
     generation = body.get("metadata", {}).get("generation", 0)
-    status = build_status(body.get("status") or {}, generation, owner, spec, source, deployment, now)
-    return Outcome(status=status, changes=changes)
+    status = build_status(body.get("status") or {}, generation, owner, tuned_spec, source, deployment, now,
+                          extra_conditions)
+    return Outcome(status=status, changes=changes, desired=desired)

@@ -8,14 +8,16 @@ defaulting, e.g. one stored before a field was added. The engine defaults are th
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
 BlockSize = Literal[8, 16, 32, 64]
 PreemptionMode = Literal["recompute", "swap"]
 Quantity = int | str
+# The CRD's duration pattern: a count and one unit (30s, 10m, 1h).
+Duration = Annotated[str, StringConstraints(pattern=r"^[0-9]+(s|m|h)$")]
 
 
 class _Model(BaseModel):
@@ -59,30 +61,83 @@ class EngineSpec(_Model):
 
 
 class AutotuneThresholds(_Model):
-    kv_cache_usage_high: float = 0.9
-    kv_cache_usage_low: float = 0.3
-    preemptions_per_second_high: float = 1
-    queue_depth_high: int = 8
+    queue_depth_high: float = Field(default=100, ge=0)
+    queue_depth_low: float = Field(default=50, ge=0)
+    preemptions_per_second_high: float = Field(default=1, ge=0)
+    preemptions_per_second_low: float = Field(default=0.1, ge=0)
+    kv_cache_usage_high: float = Field(default=0.9, ge=0, le=1)
+    kv_cache_usage_low: float = Field(default=0.3, ge=0, le=1)
+    swap_min_context_tokens: int = Field(default=0, ge=0)
+
+
+class EngineTargetSpec(_Model):
+    block_size: BlockSize | None = None
+    preemption_mode: PreemptionMode | None = None
+
+
+class SloSpec(_Model):
+    ttft_p99_seconds: float | None = Field(default=None, gt=0)
+    itl_p99_seconds: float | None = Field(default=None, gt=0)
+
+
+class RangeSpec(_Model):
+    min: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+
+class CanaryCrdSpec(_Model):
+    window: Duration = "5m"
+    timeout: Duration = "15m"
+    min_requests: int = Field(default=100, ge=1)
+    tolerance: float = Field(default=0.05, ge=0, lt=1)
 
 
 class AutotuneSpec(_Model):
     enabled: bool = False
-    interval: str = "60s"
-    cooldown: str = "10m"
+    interval: Duration = "60s"
+    cooldown: Duration = "10m"
+    min_dwell: Duration = "60s"
     allowed_block_sizes: tuple[BlockSize, ...] = (8, 16, 32)
     allowed_preemption_modes: tuple[PreemptionMode, ...] = ("recompute", "swap")
+    pressure: EngineTargetSpec = EngineTargetSpec()
+    calm: EngineTargetSpec = EngineTargetSpec()
     thresholds: AutotuneThresholds = AutotuneThresholds()
+    slo: SloSpec = SloSpec()
+    max_num_seqs: RangeSpec | None = None
+    max_num_batched_tokens: RangeSpec | None = None
+    canary: CanaryCrdSpec = CanaryCrdSpec()
     apply: Literal["live", "rollout"] = "live"
+
+
+class PolicySpec(_Model):
+    type: Literal["Pods", "Percent"]
+    value: int = Field(ge=1)
+    period_seconds: int = Field(ge=1, le=1800)
+
+
+class ScalingRulesSpec(_Model):
+    stabilization_window_seconds: int | None = Field(default=None, ge=0, le=3600)
+    select_policy: Literal["Max", "Min", "Disabled"] | None = None
+    policies: tuple[PolicySpec, ...] | None = None
+
+
+class BehaviorSpec(_Model):
+    scale_up: ScalingRulesSpec = ScalingRulesSpec()
+    scale_down: ScalingRulesSpec = ScalingRulesSpec()
 
 
 class AutoscalingSpec(_Model):
     enabled: bool = False
-    min_replicas: int = 1
-    max_replicas: int = 4
-    metric: Literal["kvCacheUsage", "numRequestsWaiting", "numRequestsRunning"] = "numRequestsWaiting"
-    target: float = 4
-    mode: Literal["builtin", "hpa"] = "builtin"
-    scale_down_delay: str = "5m"
+    mode: Literal["builtin", "hpa", "keda"] = "builtin"
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(default=4, ge=1)
+    metric: Literal["kvCacheUsage", "waitingPerReplica", "preemptionRate", "ttftP99"] = "kvCacheUsage"
+    target: float = Field(default=0.85, gt=0)
+    tolerance: float = Field(default=0.1, ge=0, lt=1)
+    window: Duration | None = None
+    interval: Duration | None = None
+    behavior: BehaviorSpec = BehaviorSpec()
+    prometheus_address: str | None = None
 
 
 class SecretKeyRef(_Model):

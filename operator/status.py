@@ -7,7 +7,10 @@ reconcile that changes nothing writes nothing.
 * Progressing — a rollout or scale is under way.
 * Degraded — the spec cannot work (InvalidSpec), an API error keeps the operator from applying
   it (ApiError, retried meanwhile), or the Deployment reports it is stuck.
-* Tuned — owned by the autotuner; here only its placeholder while autotune is off or waiting.
+* Tuned — owned by the autotuner (the pilot); here only its placeholder while autotune is off or waiting.
+* ScalingActive — the autoscaler can act: its HPA or ScaledObject exists and the APIs it needs
+  are served (modes hpa, keda), or the pilot's last decision had metrics (mode builtin).
+* Monitored — a PodMonitor makes Prometheus scrape the engines, or why not.
 
 `engine` is the engine configuration in force: it moves to the spec's only once the Deployment
 has rolled it out to every pod (`kubectl rollout status`'s test), so the BLOCK column never shows
@@ -24,7 +27,7 @@ from .model_source import ModelSource
 from .spec import InferenceServiceSpec
 
 Manifest = dict[str, Any]
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Tuned")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Tuned", "ScalingActive", "Monitored")
 
 
 def now_iso() -> str:
@@ -125,11 +128,14 @@ def tuned_placeholder(spec: InferenceServiceSpec, current: list[Manifest]) -> li
 
 
 def build_status(current: Manifest, generation: int, owner: Owner, spec: InferenceServiceSpec,
-                 source: ModelSource, deployment: Manifest | None, now: str) -> Manifest:
-    """The operator-owned part of status (the autotuner's and autoscaler's fields are left alone)."""
+                 source: ModelSource, deployment: Manifest | None, now: str,
+                 extra_conditions: list[Manifest] | None = None) -> Manifest:
+    """The reconciler's part of status (the pilot's fields are added by the controller);
+    `extra_conditions`: the conditions the reconcile decided besides the rollout's."""
     dstatus = (deployment or {}).get("status", {}) or {}
     conditions = current.get("conditions", []) or []
-    updates = rollout_conditions(deployment, spec.replicas) + tuned_placeholder(spec, conditions)
+    updates = rollout_conditions(deployment, spec.replicas) + tuned_placeholder(spec, conditions) + \
+        list(extra_conditions or [])
     engine = engine_status(current, engine_config(owner, spec, source), rollout_complete(deployment, spec.replicas))
     return {
         "observedGeneration": generation,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -138,6 +139,41 @@ class EngineArgs:
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def with_tuned_config(self, path: str) -> EngineArgs:
+        """These args with the live tunables of `path` (a JSON object in `GET /admin/config`'s
+        names, which the operator keeps current for the pods it tunes) in place of the flags'.
+        A missing file changes nothing: the operator has tuned nothing yet."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            return self
+        try:
+            tuned = json.loads(text) if text.strip() else {}
+        except ValueError as e:
+            raise ValueError(f"tuned_config: {path} is not JSON: {e}") from None
+        if not isinstance(tuned, dict):
+            raise ValueError(f"tuned_config: {path} must hold a JSON object, not {type(tuned).__name__}")
+        unknown = sorted(set(tuned) - set(TUNED_FIELDS))
+        if unknown:
+            raise ValueError(f"tuned_config: {path} sets {', '.join(unknown)}; only {', '.join(TUNED_FIELDS)} "
+                             f"are tunable")
+        for name, value in tuned.items():
+            check = TUNED_FIELDS[name]
+            if not check(value):
+                raise ValueError(f"tuned_config: {path} sets {name} to {value!r}, which is not valid")
+        return dataclasses.replace(self, **tuned)
+
+
+# What `--tuned-config` may set (the tunables `POST /admin/config` changes), with their checks.
+TUNED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "block_size": lambda v: v in BLOCK_SIZES,
+    "preemption_mode": lambda v: v in PREEMPTION_MODES,
+    "scheduler_policy": lambda v: v in SCHEDULER_POLICIES,
+    "max_num_seqs": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+    "max_num_batched_tokens": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+}
 
 
 def _checked(parse: Callable[[str], float], ok: Callable[[float], bool], rule: str) -> Callable[[str], Any]:

@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long admitted requests may take to finish before they are aborted")
     g.add_argument("--allowed-model-root", default=None, help="the folder /reload may load models from")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    g.add_argument("--tuned-config", default=None, metavar="FILE",
+                   help="JSON object of live tunables (block_size, preemption_mode, scheduler_policy, "
+                        "max_num_seqs, max_num_batched_tokens) that override their flags at start; a missing "
+                        "file is ignored (the operator mounts the config it tuned the other pods to here)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
             allowed_model_root=args.allowed_model_root,
         )
         engine_args = EngineArgs.from_cli(args)
+        if args.tuned_config:
+            engine_args = engine_args.with_tuned_config(args.tuned_config)
         engine_config = engine_args.create_engine_config()
     except (ValueError, ModelSourceError) as e:
         print(f"kvpilot serve: error: {_as_flag(str(e))}", file=sys.stderr)

@@ -129,12 +129,14 @@ def test_more_than_one_replica_peers(chart: Any) -> None:
 def test_rbac_covers_every_kind_the_operator_writes(chart: Any) -> None:
     rules = _one(render(chart), "ClusterRole")["rules"]
     granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
-    needed = {"inferenceservices": ("get", "list", "watch", "patch"), "events": ("create",)}
+    needed = {"inferenceservices": ("get", "list", "watch", "patch"), "events": ("create",),
+              "pods": ("get", "list", "watch", "patch")}
     for prefix, plural in RESOURCES.values():
         group = prefix.split("/")[2] if prefix.startswith("/apis/") else ""
         for verb in needed.get(plural, ("get", "list", "watch", "create", "update", "patch", "delete")):
             assert (group, plural, verb) in granted, (group, plural, verb)
     assert ("serving.kvpilot.io", "inferenceservices/status", "patch") in granted
+    assert ("serving.kvpilot.io", "inferenceservices/scale", "patch") in granted
     # children with blockOwnerDeletion, under the OwnerReferencesPermissionEnforcement admission plugin
     assert ("serving.kvpilot.io", "inferenceservices/finalizers", "update") in granted
 
@@ -152,3 +154,20 @@ def test_operator_pod_is_locked_down(chart: Any) -> None:
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["command"] == ["kvpilot", "operator"]
+
+
+def test_engine_monitoring_and_keda_values_become_operator_flags_it_accepts(chart: Any) -> None:
+    import argparse
+
+    from kvpilot.operator import cli, monitoring
+
+    values = {**_scenario(CHART / "ci" / "monitoring-values.yaml"), **_scenario(CHART / "ci" / "autoscaling-values.yaml")}
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(_args(render(chart, values)))
+    engine = monitoring.from_args(args)
+    assert (engine.enabled, engine.interval, engine.scrape_timeout) == (True, "10s", "5s")
+    assert dict(engine.labels) == {"release": "kube-prometheus-stack"}
+    assert args.prometheus_address == "http://prometheus-operated.monitoring.svc:9090"
+    off = parser.parse_args(_args(render(chart)))
+    assert not off.engine_monitoring and off.prometheus_address is None

@@ -49,7 +49,11 @@ def test_every_example_applies_and_reconciles(control_plane: ControlPlane, opera
         assert "finalizers" not in obj["metadata"]
         posted = events(control_plane, namespace, name)
         assert {(e["source"]["component"], e["reportingComponent"]) for e in posted} == {("kvpilot", "kvpilot")}
-        assert sorted(e["reason"] for e in posted) == ["Created"] * 4  # no drift found in what the API server defaulted
+        autotune = yaml.safe_load(next(p for p in EXAMPLES if yaml.safe_load(p.read_text())["metadata"]["name"] == name)
+                                  .read_text())["spec"].get("autotune", {})
+        tuned_config_map = autotune.get("enabled") and autotune.get("apply", "live") == "live"
+        # no drift found in what the API server defaulted
+        assert sorted(e["reason"] for e in posted) == ["Created"] * (4 + bool(tuned_config_map))
 
 
 def test_scale_and_spec_edits_reach_the_deployment(control_plane: ControlPlane, operator: OperatorProcess) -> None:

@@ -10,6 +10,7 @@ ones). Fast and precise: exact requests and injected failures.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import functools
@@ -195,7 +196,8 @@ class Emulator(kmock.KubernetesScaffold):
             raise kmock.KubernetesError(status=409, reason="AlreadyExists", message=f"{meta['name']} exists")
         meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now())
         if obj.get("kind") == "Secret" and "stringData" in obj:  # the API server folds stringData into data
-            obj["data"] = {**obj.get("data", {}), **obj.pop("stringData")}
+            encoded = {k: base64.b64encode(v.encode()).decode() for k, v in obj.pop("stringData").items()}
+            obj["data"] = {**obj.get("data", {}), **encoded}
         return await self._commit(key, "ADDED", obj)
 
     async def _update(self, key: Key, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -357,10 +359,12 @@ async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
 
 
 @contextlib.asynccontextmanager
-async def operator(resync_interval: float = 3600) -> AsyncIterator[None]:
-    """One run of `kvpilot operator --namespace default --standalone`, in this event loop."""
+async def operator(resync_interval: float = 3600, **config: Any) -> AsyncIterator[None]:
+    """One run of `kvpilot operator --namespace default --standalone`, in this event loop;
+    `config`: further OperatorConfig fields (the operator's flags)."""
     registry = kopf.OperatorRegistry()
-    handlers.register(registry, handlers.OperatorConfig(image="kvpilot:test", resync_interval=resync_interval))
+    handlers.register(registry, handlers.OperatorConfig(image="kvpilot:test", resync_interval=resync_interval,
+                                                        **config))
     settings = kopf.OperatorSettings()
     settings.watching.reconnect_backoff = 0.1
     stop, ready = asyncio.Event(), asyncio.Event()

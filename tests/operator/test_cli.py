@@ -42,3 +42,13 @@ def test_registered_as_kvpilot_operator() -> None:
 def test_run_refuses_bad_numbers_naming_the_flag(capsys: pytest.CaptureFixture[str], flag: str, value: str) -> None:
     assert cli.run(_parse("-A", flag, value)) == 2
     assert capsys.readouterr().out.startswith(f"kvpilot operator: {flag}: must be")
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--prometheus-address", "prometheus:9090"], "--prometheus-address"),
+    (["--engine-monitoring", "--engine-monitoring-interval", "soon"], "--engine-monitoring-interval"),
+])
+def test_run_refuses_bad_monitoring_and_keda_flags_naming_them(capsys: pytest.CaptureFixture[str],
+                                                               flags: list[str], named: str) -> None:
+    assert cli.run(_parse("-A", *flags)) == 2
+    assert capsys.readouterr().out.startswith(f"kvpilot operator: {named}:")

@@ -16,6 +16,7 @@ from kvpilot.operator.reconcile import reconcile
 
 class FakeKube:
     def __init__(self) -> None:
+        self.served = [("autoscaling", "v2")]  # discovery: (group, version) the API server serves
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.writes: list[tuple[str, str, str]] = []
         self.version = 0
@@ -34,6 +35,9 @@ class FakeKube:
             error, self.fail_next = self.fail_next, None
             raise error
         self.writes.append((verb, kind, name))
+
+    def api_groups(self) -> dict[str, Any]:
+        return {"groups": [{"name": g, "versions": [{"version": v}]} for g, v in self.served]}
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         obj = self.objects.get((kind, namespace, name))
@@ -188,3 +192,95 @@ def test_a_removed_field_rolls_out_although_the_rest_still_covers_it(kube: FakeK
     _run(kube, make_isvc({"model": {"source": "embedded"}}))
     assert kube.writes == [("replace", "Deployment", "llama")]
     assert "nodeSelector" not in kube.objects["Deployment", "default", "llama"]["spec"]["template"]["spec"]
+
+
+def _conditions(outcome: Any) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in outcome.status["conditions"]}
+
+
+def test_mode_hpa_owns_an_hpa_and_switching_mode_deletes_it(kube: FakeKube, make_isvc: Callable[..., Any]) -> None:
+    body = make_isvc({"model": {"source": "embedded"}, "autoscaling": {"enabled": True, "mode": "hpa"}})
+    kube.served.append(("custom.metrics.k8s.io", "v1beta2"))
+    outcome = _run(kube, body)
+    hpa = kube.objects["HorizontalPodAutoscaler", "default", "llama"]
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "InferenceService"
+    assert hpa["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert _conditions(outcome)["ScalingActive"] == ("True", "HorizontalPodAutoscaler")
+    body["spec"]["autoscaling"]["mode"] = "builtin"
+    outcome = _run(kube, body)
+    assert ("HorizontalPodAutoscaler", "default", "llama") not in kube.objects
+    assert "ScalingActive" not in _conditions(outcome)  # the pilot's, in mode builtin
+
+
+def test_mode_hpa_without_custom_metrics_still_creates_the_hpa_and_says_why_it_cannot_scale(
+        kube: FakeKube, make_isvc: Callable[..., Any]) -> None:
+    outcome = _run(kube, make_isvc({"model": {"source": "embedded"}, "autoscaling": {"enabled": True, "mode": "hpa"}}))
+    assert ("HorizontalPodAutoscaler", "default", "llama") in kube.objects
+    assert _conditions(outcome)["ScalingActive"] == ("False", "CustomMetricsUnavailable")
+
+
+def test_mode_keda_creates_a_scaled_object_only_where_keda_is_served(kube: FakeKube,
+                                                                     make_isvc: Callable[..., Any]) -> None:
+    from kvpilot.operator.reconcile import Extras
+
+    body = make_isvc({"model": {"source": "embedded"}, "autoscaling": {"enabled": True, "mode": "keda"}})
+    extras = Extras(prometheus_address="http://prometheus.monitoring.svc:9090")
+    outcome = reconcile(kube, body, "kvpilot:test", "2026-01-01T00:00:00Z", extras)  # type: ignore[arg-type]
+    assert _conditions(outcome)["ScalingActive"] == ("False", "KedaNotInstalled")
+    assert not [k for k in kube.objects if k[0] == "ScaledObject"]
+    kube.served.append(("keda.sh", "v1alpha1"))
+    no_address = _run(kube, body)
+    assert _conditions(no_address)["ScalingActive"][1] == "PrometheusAddressMissing"
+    outcome = reconcile(kube, body, "kvpilot:test", "2026-01-01T00:00:00Z", extras)  # type: ignore[arg-type]
+    scaled = kube.objects["ScaledObject", "default", "llama"]
+    assert scaled["spec"]["triggers"][0]["metadata"]["serverAddress"] == "http://prometheus.monitoring.svc:9090"
+    assert _conditions(outcome)["ScalingActive"] == ("True", "ScaledObject")
+
+
+def test_engine_monitoring_creates_a_pod_monitor_where_its_api_is_served(kube: FakeKube,
+                                                                         make_isvc: Callable[..., Any]) -> None:
+    from kvpilot.operator.monitoring import EngineMonitoring
+    from kvpilot.operator.reconcile import Extras
+
+    body, extras = make_isvc({"model": {"source": "embedded"}}), Extras(monitoring=EngineMonitoring(enabled=True))
+    outcome = reconcile(kube, body, "kvpilot:test", "2026-01-01T00:00:00Z", extras)  # type: ignore[arg-type]
+    assert _conditions(outcome)["Monitored"] == ("False", "PodMonitorApiMissing")
+    kube.served.append(("monitoring.coreos.com", "v1"))
+    outcome = reconcile(kube, body, "kvpilot:test", "2026-01-01T00:00:00Z", extras)  # type: ignore[arg-type]
+    assert kube.objects["PodMonitor", "default", "llama"]["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    assert _conditions(outcome)["Monitored"] == ("True", "PodMonitor")
+    assert _conditions(_run(kube, body))["Monitored"] == ("False", "MonitoringDisabled")
+
+
+def test_live_tuning_mounts_the_tuned_config_map_and_rollout_tuning_writes_the_flags(
+        kube: FakeKube, make_isvc: Callable[..., Any]) -> None:
+    import json
+
+    from kvpilot.operator.autotune import LiveConfig
+    from kvpilot.operator.reconcile import Extras
+
+    body = make_isvc({"model": {"source": "embedded"}, "autotune": {"enabled": True}})
+    _run(kube, body)
+    assert json.loads(kube.objects["ConfigMap", "default", "llama-tuned"]["data"]["tuned.json"]) == {}
+    template = kube.objects["Deployment", "default", "llama"]["spec"]["template"]
+    tuned = LiveConfig(8, "swap", 128, 2048)
+    kube.writes.clear()
+    outcome = reconcile(kube, body, "kvpilot:test", "2026-01-01T00:00:00Z", Extras(tuned=tuned))  # type: ignore[arg-type]
+    assert json.loads(kube.objects["ConfigMap", "default", "llama-tuned"]["data"]["tuned.json"])["block_size"] == 8
+    assert kube.objects["Deployment", "default", "llama"]["spec"]["template"] == template  # no pod restarts
+    assert kube.writes == [("replace", "ConfigMap", "llama-tuned")]
+    assert outcome.status["engineRollingOut"]["blockSize"] == 8  # the status shows the tuned config
+
+    body["spec"]["autotune"]["apply"] = "rollout"
+    reconcile(kube, body, "kvpilot:test", "2026-01-01T00:00:00Z", Extras(tuned=tuned))  # type: ignore[arg-type]
+    args = kube.objects["Deployment", "default", "llama"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--block-size") + 1] == "8" and args[args.index("--preemption-mode") + 1] == "swap"
+    assert "--tuned-config" not in args
+    assert ("ConfigMap", "default", "llama-tuned") not in kube.objects
+
+
+def test_a_canary_longer_than_its_timeout_is_a_spec_error(kube: FakeKube, make_isvc: Callable[..., Any]) -> None:
+    body = make_isvc({"model": {"source": "embedded"}, "autotune": {"canary": {"window": "20m", "timeout": "5m"}}})
+    with pytest.raises(SpecError, match=r"spec.autotune: timeout_s: must be >= window_s"):
+        _run(kube, body)
+    assert kube.writes == []

@@ -39,7 +39,10 @@ SCHEMA_REJECTS: list[tuple[dict[str, Any], str]] = [
     ({"autotune": {"apply": "restart"}}, "'restart' is not one of ['live', 'rollout']"),
     ({"autotune": {"allowedBlockSizes": [8, 24]}}, "24 is not one of [8, 16, 32, 64]"),
     ({"autotune": {"interval": "soon"}}, "'soon' does not match"),
-    ({"autoscaling": {"mode": "keda"}}, "'keda' is not one of ['builtin', 'hpa']"),
+    ({"autoscaling": {"mode": "fifo"}}, "'fifo' is not one of ['builtin', 'hpa', 'keda']"),
+    ({"autoscaling": {"metric": "numRequestsWaiting"}}, "'numRequestsWaiting' is not one of"),
+    ({"autoscaling": {"minReplicas": 0}}, "0 is less than the minimum of 1"),
+    ({"autotune": {"canary": {"tolerance": 1}}}, "greater than or equal to the maximum of 1"),
     ({"resources": {"memory": "lots"}}, "'lots' does not match"),
     ({"model": {"source": "not a uri"}}, "'not a uri' does not match"),
     ({"model": {}}, "'source' is a required property"),
@@ -51,7 +54,11 @@ CEL_REJECTS: list[tuple[dict[str, Any], str]] = [
     ({"tensorParallelSize": 3, "resources": {"gpus": 4}}, "tensorParallelSize must divide resources.gpus"),
     ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "minReplicas must be <= autoscaling.maxReplicas"),
     ({"autoscaling": {"metric": "kvCacheUsage", "target": 2}}, "target for kvCacheUsage is a ratio"),
-    ({"autoscaling": {"metric": "kvCacheUsage"}}, "target for kvCacheUsage is a ratio"),  # the default target, 4
+    ({"autoscaling": {"target": 4}}, "target for kvCacheUsage is a ratio"),  # the default metric
+    ({"autoscaling": {"mode": "hpa", "window": "30s"}}, "window and interval are the cluster's with mode hpa"),
+    ({"autoscaling": {"prometheusAddress": "http://prometheus:9090"}}, "prometheusAddress is read only with mode keda"),
+    ({"autotune": {"thresholds": {"queueDepthLow": 150}}}, "queueDepthLow must be <= queueDepthHigh"),
+    ({"autotune": {"maxNumSeqs": {"min": 64, "max": 8}}}, "min must be <= max"),
     ({"engine": {"preemptionMode": "swap", "swapSpace": 0}}, "swap needs engine.swapSpace > 0"),
     ({"engine": {"maxNumSeqs": 512, "maxNumBatchedTokens": 256}}, "maxNumBatchedTokens must be >= engine.maxNumSeqs"),
     ({"engine": {"maxModelLen": 8192, "maxNumBatchedTokens": 4096, "enableChunkedPrefill": False}},
@@ -59,7 +66,7 @@ CEL_REJECTS: list[tuple[dict[str, Any], str]] = [
     ({"autotune": {"enabled": True, "allowedBlockSizes": [8]}}, "blockSize must be one of autotune.allowedBlockSizes"),
     ({"autotune": {"enabled": True, "allowedPreemptionModes": ["swap"]}}, "preemptionMode must be one of"),
     ({"autotune": {"enabled": True}, "engine": {"swapSpace": 0}}, "swap only with engine.swapSpace > 0"),
-    ({"autotune": {"thresholds": {"kvCacheUsageLow": 0.95}}}, "kvCacheUsageLow must be < kvCacheUsageHigh"),
+    ({"autotune": {"thresholds": {"kvCacheUsageLow": 0.95}}}, "kvCacheUsageLow must be <= kvCacheUsageHigh"),
     ({"drain": {"preStopSeconds": 60, "gracePeriodSeconds": 30}}, "preStopSeconds must be < drain.gracePeriodSeconds"),
     ({"drain": {"preStopSeconds": 200}}, "preStopSeconds must be < drain.gracePeriodSeconds"),  # default grace 120
     ({"model": {"source": "preset://llama-3-8b", "loadFormat": "safetensors"}}, "preset:// model has no weights"),
@@ -72,7 +79,9 @@ SOUND_SPECS: list[dict[str, Any]] = [
     {"engine": {"maxModelLen": 8192, "maxNumBatchedTokens": 2048}},  # chunked prefill is the default
     {"engine": {"preemptionMode": "swap"}},  # the default swapSpace, 4
     {"autotune": {"enabled": True, "allowedBlockSizes": [16, 32]}},
-    {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 1, "mode": "hpa"}},
+    {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 1, "mode": "hpa"}},
+    {"autoscaling": {"enabled": True, "mode": "keda", "prometheusAddress": "http://prometheus:9090", "window": "2m"}},
+    {"autotune": {"enabled": True, "maxNumSeqs": {"min": 8, "max": 8}, "thresholds": {"queueDepthLow": 100}}},
     {"autoscaling": {"metric": "kvCacheUsage", "target": 0.8}},
 ]
 

@@ -45,6 +45,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [serving.kvpilot.io]
   resources: [inferenceservices/status]
   verbs: [get, patch, update]
+# mode builtin: the pilot writes the replicas through the scale subresource
+- apiGroups: [serving.kvpilot.io]
+  resources: [inferenceservices/scale]
+  verbs: [get, patch, update]
 # Children carry blockOwnerDeletion: the OwnerReferencesPermissionEnforcement admission plugin
 # (on in OpenShift and hardened clusters) allows that only to who may update the owner's finalizers.
 - apiGroups: [serving.kvpilot.io]
@@ -54,7 +58,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   resources: [deployments]
   verbs: [get, list, watch, create, update, patch, delete]
 - apiGroups: [""]
-  resources: [services, secrets]
+  resources: [services, secrets, configmaps]
   verbs: [get, list, watch, create, update, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
@@ -62,9 +66,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
   verbs: [get, list, watch, create, update, patch, delete]
+# The pilot lists a service's pods and scrapes them at their IPs (no pods/proxy), and keeps their
+# pod-deletion-cost annotations current.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch]
+  verbs: [get, list, watch, patch]
+# mode keda; engineMonitoring: the PodMonitors (only where those APIs are served)
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [get, list, watch, create, update, patch, delete]
+- apiGroups: [monitoring.coreos.com]
+  resources: [podmonitors]
+  verbs: [get, list, watch, create, update, patch, delete]
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]

@@ -1,0 +1,305 @@
+"""The pilot: one asyncio task per InferenceService with autotune or autoscaling on, which every
+interval scrapes each Ready pod (`autotune.ServiceScraper`) and acts on what it saw.
+
+One pass: list the service's pods (ready: Ready with an IP, so scraped; starting; leaving), scrape
+the ready ones, keep the pod-deletion-cost annotations current (`scaler.py`, every mode), decide
+the replicas (`mode: builtin`, `scaler.py`), then tune (`tuner.py`) — in that order, and through
+one `Coordination`, so a pass never changes both and a scale event pauses tuning for a dwell.
+
+The pilot never writes status: it publishes a `PilotView` (conditions, `status.tuning`,
+`status.scaling`, `status.decisions`, `status.metrics`, the tuned config) and puts the service's
+key on the work queue; the reconcile that follows folds the view into the status it writes
+(`controller.py`, the one status writer), and writes the tuned config into the ConfigMap or the
+Deployment's flags. It writes only what is its own: the replicas through the scale subresource,
+the pods' deletion-cost annotations, and Events.
+
+Pods are reached directly at their IP on the serving port (never through the API server's
+pods/proxy): the engine's `/metrics` and `/admin/config` (Bearer token from the service's admin
+Secret). The pods run the engine, not the operator, so the chart's NetworkPolicy (which covers
+only the operator's own pods) does not stand in the way; a policy that isolates the engine pods
+must admit the operator's pods on port 8000.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from statistics import fmean
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from .autoscale.calculator import PodState
+from .autoscale.coordination import Coordination
+from .autoscale.history import DecisionRecord, appended
+from .autoscale.scaling_spec import ScalingSpec
+from .autotune.endpoint import PodEndpoint
+from .autotune.live_config import EngineLimits, LiveConfig
+from .autotune.scrape import ScrapeReport, ServiceScraper
+from .autotune.tuning_spec import TuningSpec
+from .engine_args import SERVE_PORT
+from .events import build_event
+from .kube import ApiError, Kube
+from .manifests import ADMIN_TOKEN_KEY, Owner, selector_string
+from .status import now_iso
+
+if TYPE_CHECKING:
+    from .controller import Key
+
+logger = logging.getLogger(__name__)
+
+Manifest = dict[str, Any]
+SCRAPE_TIMEOUT_S = 5.0
+IDLE_INTERVAL_S = 15.0  # deletion costs alone (modes hpa and keda): as often as an HPA syncs
+
+
+@dataclass(frozen=True)
+class PilotSettings:
+    """What a pilot acts on, from the InferenceService's spec; a new value restarts nothing."""
+
+    owner: Owner
+    tuning: TuningSpec
+    scaling: ScalingSpec
+    limits: EngineLimits
+    instance: str  # this operator replica, in the Events it posts
+
+    @property
+    def active(self) -> bool:
+        return self.tuning.enabled or self.scaling.enabled
+
+    @property
+    def interval_s(self) -> float:
+        intervals = [self.tuning.interval_s] if self.tuning.enabled else []
+        if self.scaling.enabled and self.scaling.mode == "builtin":
+            intervals.append(self.scaling.interval)
+        return min(intervals, default=IDLE_INTERVAL_S)
+
+    @property
+    def span_s(self) -> float:
+        spans = [self.tuning.window_span_s] if self.tuning.enabled else []
+        if self.scaling.enabled:
+            spans.append(self.scaling.window + self.scaling.interval)
+        return max(spans, default=IDLE_INTERVAL_S)
+
+    @property
+    def dwell_s(self) -> float:
+        """How long a scale event pauses tuning, and a tuning change holds scale-downs."""
+        return max(self.tuning.min_dwell_s if self.tuning.enabled else 0.0, self.scaling.window)
+
+
+@dataclass(frozen=True)
+class PilotView:
+    """What the reconcile folds into status: the pilot's conditions and fields."""
+
+    tuned: LiveConfig | None = None
+    conditions: tuple[Manifest, ...] = ()
+    fields: Manifest = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pods:
+    states: dict[str, PodState]
+    endpoints: list[PodEndpoint]
+    deletion_costs: dict[str, str | None]  # the annotation as it stands, by pod
+
+
+def classify(pods: list[Manifest]) -> Pods:
+    """ready: Ready with an IP (in the Service's endpoints, so scraped); leaving: being deleted
+    or finished; starting: the rest (scheduled, pulling, loading the model)."""
+    from .autoscale.deletion_cost import DELETION_COST_ANNOTATION
+
+    states: dict[str, PodState] = {}
+    endpoints, costs = [], {}
+    for pod in pods:
+        meta, status = pod.get("metadata", {}), pod.get("status", {}) or {}
+        name = meta["name"]
+        costs[name] = (meta.get("annotations") or {}).get(DELETION_COST_ANNOTATION)
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+        if meta.get("deletionTimestamp") or status.get("phase") in ("Failed", "Succeeded"):
+            states[name] = "leaving"
+        elif ready and status.get("podIP"):
+            states[name] = "ready"
+            endpoints.append(PodEndpoint(name, status["podIP"], _serving_port(pod)))
+        else:
+            states[name] = "starting"
+    return Pods(states, sorted(endpoints, key=lambda e: e.pod), costs)
+
+
+def _serving_port(pod: Manifest) -> int:
+    for container in pod.get("spec", {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == "http":
+                return int(port["containerPort"])
+    return SERVE_PORT
+
+
+class Pilot:
+    """One InferenceService's loop; `settings` may be replaced between passes."""
+
+    def __init__(self, key: Key, kube: Kube, session: aiohttp.ClientSession, settings: PilotSettings,
+                 status: Manifest, poke: Callable[[Key], None], clock: Callable[[], float] = time.time) -> None:
+        from .scaler import Scaler
+        from .tuner import Tuner
+
+        self.key, self.kube, self.session, self.poke, self.clock = key, kube, session, poke, clock
+        self.settings = settings
+        self.scraper = ServiceScraper(key.namespace, key.name, session, timeout_s=SCRAPE_TIMEOUT_S,
+                                      span_s=settings.span_s, clock=clock)
+        self.coordination = Coordination()
+        self.decisions: list[Manifest] = list(status.get("decisions") or [])
+        self.tuner = Tuner(self, status.get("tuning") or {})
+        self.scaler = Scaler(self, status.get("scaling") or {})
+        self.metrics: Manifest | None = status.get("metrics")
+        self.view = PilotView()
+        self.body: Manifest = {}
+        self._token: str | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup = asyncio.Event()
+
+    def update(self, settings: PilotSettings) -> None:
+        if settings != self.settings:
+            self.settings = settings
+            self.scraper.span_s = settings.span_s
+            for window in self.scraper.windows.values():
+                window.span_s = settings.span_s
+            self._wakeup.set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"kvpilot pilot {self.key}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.scraper.close()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.run_once()
+            except asyncio.CancelledError:
+                raise
+            except ApiError as exc:  # the API server is away: the next pass tries again
+                logger.warning(f"pilot of InferenceService {self.key}: {exc}")
+            except Exception:  # a bug must not end the loop of every later pass
+                logger.exception(f"pilot of InferenceService {self.key} failed")
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout=self.settings.interval_s)
+
+    async def run_once(self) -> None:
+        key = self.key
+        body = await asyncio.to_thread(self.kube.get, "InferenceService", key.namespace, key.name)
+        if body is None:
+            return
+        self.body = body
+        items = await asyncio.to_thread(self.kube.list_objects, "Pod", key.namespace, selector_string(self.settings.owner))
+        pods = classify(items)
+        report = await self.scraper.scrape(pods.endpoints)
+        now = self.clock()
+        self.metrics = _service_metrics(report, self.scraper, now, self.settings.interval_s) or self.metrics
+        if self.settings.scaling.enabled:
+            await self.scaler.keep_deletion_costs(pods, now)
+            if self.settings.scaling.mode == "builtin":
+                await self.scaler.step(now, pods)
+        if self.settings.tuning.enabled:
+            await self.tuner.step(now, pods, report)
+        self._publish()
+
+    def record(self, record: DecisionRecord) -> None:
+        self.decisions = appended(self.decisions, record)
+
+    async def post_event(self, type_: str, reason: str, message: str) -> None:
+        if not self.body:
+            return
+        event = build_event(self.body, type_, reason, message, self.settings.instance, now_iso())
+        try:
+            await asyncio.to_thread(self.kube.create, event)
+        except ApiError as exc:
+            logger.warning(f"Event {reason} for InferenceService {self.key} not posted: {exc}")
+
+    async def admin_token(self) -> str:
+        if self._token is None:
+            secret = await asyncio.to_thread(self.kube.get, "Secret", self.key.namespace,
+                                             self.settings.owner.admin_secret_name)
+            encoded = ((secret or {}).get("data") or {}).get(ADMIN_TOKEN_KEY)
+            if not encoded:
+                raise ApiError(404, "NotFound", f"Secret {self.settings.owner.admin_secret_name} has no {ADMIN_TOKEN_KEY}")
+            self._token = base64.b64decode(encoded).decode()
+        return self._token
+
+    def _publish(self) -> None:
+        tuning = self.settings.tuning.enabled
+        builtin = self.settings.scaling.enabled and self.settings.scaling.mode == "builtin"
+        conditions = tuple(c for c in (self.tuner.condition if tuning else None,
+                                       self.scaler.condition if builtin else None) if c is not None)
+        fields: Manifest = {"decisions": self.decisions}
+        if tuning:
+            fields["tuning"] = self.tuner.status()
+        if builtin:
+            fields["scaling"] = self.scaler.status()
+        if self.metrics is not None:
+            fields["metrics"] = self.metrics
+        view = PilotView(self.tuner.tuned, conditions, fields)
+        if view != self.view:
+            self.view = view
+            self.poke(self.key)
+
+
+def _service_metrics(report: ScrapeReport, scraper: ServiceScraper, now: float, interval_s: float) -> Manifest | None:
+    """status.metrics: the last scrape's gauges and the last intervals' preemption rate, means over pods."""
+    samples = list(report.samples.values())
+    if not samples:
+        return None
+    recent = scraper.summaries(since=now - 2 * interval_s)
+    return {
+        "scrapedAt": now_iso(),
+        "kvCacheUsage": round(fmean(s.gauges["kv_cache_usage"] for s in samples), 4),
+        "numRequestsRunning": round(fmean(s.gauges["num_running_seqs"] for s in samples), 2),
+        "numRequestsWaiting": round(fmean(s.gauges["num_waiting_seqs"] for s in samples), 2),
+        "preemptionsPerSecond": round(fmean(s.preemptions_per_s for s in recent.values()), 4) if recent else 0.0,
+    }
+
+
+class Pilots:
+    """Every service's pilot, on the operator's event loop. The controller calls `sync` from its
+    worker threads after each reconcile; `view` is read from them too (an attribute read)."""
+
+    def __init__(self, kube: Kube, instance: str, poke: Callable[[Key], None]) -> None:
+        self.kube, self.instance, self.poke = kube, instance, poke
+        self.loop = asyncio.get_running_loop()
+        self.session = aiohttp.ClientSession()
+        self.pilots: dict[Key, Pilot] = {}
+
+    def view(self, key: Key) -> PilotView | None:
+        pilot = self.pilots.get(key)
+        return pilot.view if pilot is not None else None
+
+    def sync(self, key: Key, settings: PilotSettings | None, status: Mapping[str, Any]) -> None:
+        """Start, update or stop `key`'s pilot (None: the service is gone or needs none). Thread-safe."""
+        self.loop.call_soon_threadsafe(self._sync, key, settings, dict(status))
+
+    def _sync(self, key: Key, settings: PilotSettings | None, status: Manifest) -> None:
+        pilot = self.pilots.get(key)
+        if settings is None or not settings.active:
+            if pilot is not None:
+                del self.pilots[key]
+                asyncio.ensure_future(pilot.stop())
+            return
+        if pilot is None:
+            pilot = self.pilots[key] = Pilot(key, self.kube, self.session, settings, status, self.poke)
+            pilot.start()
+        else:
+            pilot.update(settings)
+
+    async def close(self) -> None:
+        for pilot in list(self.pilots.values()):
+            await pilot.stop()
+        self.pilots.clear()
+        await self.session.close()

@@ -1,0 +1,341 @@
+"""The pilot loop of the real operator (kopf, work queue, controller, pilot) against the API
+emulation of test_operator_lifecycle.py, with Pod objects whose IPs point at engine stand-ins on
+loopback.
+
+Each stand-in serves what a `kvpilot serve` pod serves to the operator — `/metrics` in the
+runtime's names and buckets (tests/support/autotune_fixtures.PodMetrics) and Bearer-authenticated
+`GET/POST /admin/config` with the engine's answer layout — and nothing else: a real server with
+a burst that queues over a hundred requests takes minutes on two cores. The queue and the KV
+usage a stand-in reports are set by the test; every scrape counts five finished requests. The
+last test drives a real `kvpilot serve` (the embedded model on CPU) through a canary instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import importlib.util
+import json
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp.web
+import pytest
+from autotune_fixtures import PodMetrics
+from prometheus_client import REGISTRY
+
+_spec = importlib.util.spec_from_file_location("_lifecycle", Path(__file__).with_name("test_operator_lifecycle.py"))
+assert _spec is not None and _spec.loader is not None
+_lifecycle = importlib.util.module_from_spec(_spec)
+sys.modules["_lifecycle"] = _lifecycle
+_spec.loader.exec_module(_lifecycle)
+Cluster, cluster, eventually, operator, NS = (_lifecycle.Cluster, _lifecycle.cluster, _lifecycle.eventually,
+                                             _lifecycle.operator, _lifecycle.NS)
+SELECTOR = {"app.kubernetes.io/name": "kvpilot", "serving.kvpilot.io/inferenceservice": "smol"}
+FAST_TUNING = {"enabled": True, "interval": "1s", "cooldown": "1s", "minDwell": "1s",
+               "canary": {"window": "1s", "timeout": "30s", "minRequests": 1}}
+
+
+class EnginePod:
+    """A stand-in for one engine pod's HTTP surface the operator uses."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.waiting, self.kv = 0.0, 0.2
+        self.refuse: str | None = None  # POST /admin/config answers 400 with this message
+        self.posts: list[dict[str, Any]] = []
+        self.restart()
+
+    def restart(self) -> None:
+        """A new process: counters from zero, the flags' config (16, recompute)."""
+        self.config = {"block_size": 16, "preemption_mode": "recompute", "scheduler_policy": "fcfs",
+                       "max_num_seqs": 256, "max_num_batched_tokens": 2048, "max_model_len": 2048,
+                       "num_blocks": 1000}
+        self.metrics = PodMetrics(block_size=16, mode="recompute")
+
+    async def metrics_page(self, _: aiohttp.web.Request) -> aiohttp.web.Response:
+        self.metrics.set(waiting=self.waiting, running=8, kv=self.kv)
+        self.metrics.serve(5)
+        return aiohttp.web.Response(body=self.metrics.text().encode(), content_type="text/plain")
+
+    def _authorized(self, request: aiohttp.web.Request) -> bool:
+        return request.headers.get("Authorization") == f"Bearer {self.token}"
+
+    async def admin_config(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        if not self._authorized(request):
+            return aiohttp.web.json_response({"error": {"message": "bad token"}}, status=401)
+        if request.method == "GET":
+            return aiohttp.web.json_response(self.config)
+        changes = await request.json()
+        self.posts.append(changes)
+        if self.refuse is not None:
+            return aiohttp.web.json_response({"error": {"message": self.refuse}}, status=400)
+        applied = {k: {"old": self.config[k], "new": v} for k, v in changes.items() if self.config[k] != v}
+        self.config.update(changes)
+        self.metrics.configure(self.config["block_size"], self.config["preemption_mode"], 1000)
+        return aiohttp.web.json_response({"applied": applied, "duration_s": 0.001, "config": self.config})
+
+    @property
+    def settings(self) -> tuple[int, str]:
+        return self.config["block_size"], self.config["preemption_mode"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_operator_metrics() -> None:
+    """Series of earlier tests' services would mix with these."""
+    for collector in list(REGISTRY._collector_to_names):  # noqa: SLF001
+        if hasattr(collector, "_metrics") and hasattr(collector, "_labelnames"):
+            collector.clear()
+
+
+@pytest.fixture
+async def pods(cluster: Any) -> AsyncIterator[Any]:
+    """`await pods(n)`: n engine stand-ins and their Ready Pod objects (once the admin Secret exists)."""
+    runners: list[aiohttp.web.AppRunner] = []
+
+    async def start(names: list[str]) -> dict[str, EnginePod]:
+        secret = await eventually(functools.partial(cluster.get, "secrets", "smol-admin"), what="the admin Secret")
+        token = base64.b64decode(secret["data"]["token"]).decode()
+        started = {}
+        for name in names:
+            pod = EnginePod(token)
+            app = aiohttp.web.Application()
+            app.add_routes([aiohttp.web.get("/metrics", pod.metrics_page),
+                            aiohttp.web.route("*", "/admin/config", pod.admin_config)])
+            runner = aiohttp.web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
+            await cluster.request("POST", f"/api/v1/namespaces/{NS}/pods", {
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": SELECTOR},
+                "spec": {"containers": [{"name": "server", "image": "kvpilot:test",
+                                         "ports": [{"name": "http", "containerPort": port}]}]},
+                "status": {"phase": "Running", "podIP": "127.0.0.1",
+                           "conditions": [{"type": "Ready", "status": "True"}]}}, "application/json")
+            started[name] = pod
+        return started
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+def _status(cluster: Any) -> dict[str, Any]:
+    return (cluster.get("inferenceservices", "smol") or {}).get("status", {})
+
+
+def _reasons(cluster: Any) -> list[str]:
+    return [reason for _, reason, _ in cluster.events("smol")]
+
+
+async def test_a_burst_switches_the_config_through_a_canary_and_the_calm_switches_it_back(
+        cluster: Any, pods: Any) -> None:
+    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 2,
+            "engine": {"swapSpace": 1}, "autotune": FAST_TUNING}
+    async with operator():
+        await cluster.create_isvc("smol", spec)
+        engines = await pods(["smol-a", "smol-b"])
+        await cluster.roll_out("smol")
+        for engine in engines.values():
+            engine.waiting = 150  # above queueDepthHigh 100: pressure
+
+        await eventually(lambda: all(e.settings == (8, "swap") for e in engines.values()), timeout=40,
+                         what="both pods on the pressure config")
+        canary_pod = next(p for p, e in engines.items() if e.posts)
+        await eventually(lambda: "TuningPromoted" in _reasons(cluster), what="the TuningPromoted Event")
+        assert "TuningCanary" in _reasons(cluster)
+        await eventually(lambda: _status(cluster).get("tuning", {}).get("config", {}).get("blockSize") == 8,
+                         what="status.tuning.config")
+        status = _status(cluster)
+        assert status["tuning"]["config"]["preemptionMode"] == "swap"
+        assert status["engine"]["blockSize"] == 8 and status["engine"]["preemptionMode"] == "swap"
+        assert any(c["type"] == "Tuned" and c["status"] == "True" and c["reason"] == "Promoted"
+                   for c in status["conditions"])
+        kinds = [d["reason"].split(":")[0] for d in status["decisions"]]
+        assert kinds[:2] == [f"canary on pod {canary_pod}", f"promoted from pod {canary_pod}"]
+        assert status["decisions"][0]["metrics"]["queueDepth"] == 150
+        tuned = await eventually(functools.partial(cluster.get, "configmaps", "smol-tuned"), what="the ConfigMap")
+        await eventually(lambda: json.loads(cluster.get("configmaps", "smol-tuned")["data"]["tuned.json"])
+                         .get("block_size") == 8, what="the tuned config in the ConfigMap")
+        assert tuned["metadata"]["ownerReferences"][0]["name"] == "smol"
+        args = cluster.get("deployments", "smol")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[-2:] == ["--tuned-config", "/etc/kvpilot/tuned/tuned.json"]
+
+        engines["smol-b"].restart()  # came back on its flags' config, the other untouched
+        posts_a = len(engines["smol-a"].posts)
+        await eventually(lambda: engines["smol-b"].settings == (8, "swap"), timeout=20,
+                         what="the restarted pod brought back to the tuned config")
+        assert len(engines["smol-a"].posts) == posts_a
+        await eventually(lambda: "TuningConverged" in _reasons(cluster), what="the TuningConverged Event")
+
+        for engine in engines.values():
+            engine.waiting = 0  # below queueDepthLow 50 with no preemptions: calm
+        await eventually(lambda: all(e.settings == (16, "recompute") for e in engines.values()), timeout=40,
+                         what="both pods back on the calm config")
+        await eventually(lambda: _status(cluster).get("tuning", {}).get("config", {}).get("blockSize") == 16,
+                         what="status.tuning.config back to 16")
+
+
+async def test_after_an_operator_restart_the_tuned_config_in_status_is_kept_and_pods_are_brought_to_it(
+        cluster: Any, pods: Any) -> None:
+    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 1,
+            "engine": {"swapSpace": 1}, "autotune": FAST_TUNING}
+    tuned = {"blockSize": 8, "preemptionMode": "swap", "maxNumSeqs": 256, "maxNumBatchedTokens": 2048,
+             "schedulerPolicy": "fcfs"}
+    await cluster.request("POST", _lifecycle.IS_PATH, {
+        "apiVersion": "serving.kvpilot.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "smol", "namespace": NS}, "spec": spec,
+        "status": {"tuning": {"config": tuned, "lastChangeTime": "2026-01-01T00:00:00Z"}}}, "application/json")
+    async with operator():  # as if it had tuned the service before it restarted
+        engines = await pods(["smol-a"])
+        engines["smol-a"].waiting = 150  # the pressure the tuned config is for
+        await eventually(lambda: engines["smol-a"].settings == (8, "swap"), timeout=20,
+                         what="the pod brought to the tuned config")
+        await eventually(lambda: "TuningConverged" in _reasons(cluster), what="the TuningConverged Event")
+        assert "TuningCanary" not in _reasons(cluster)
+        assert _status(cluster)["tuning"]["config"] == tuned
+        await eventually(lambda: json.loads((cluster.get("configmaps", "smol-tuned") or {"data": {"tuned.json": "{}"}})
+                                            ["data"]["tuned.json"]).get("block_size") == 8, what="the ConfigMap")
+
+async def test_a_pod_that_refuses_the_admin_call_leaves_the_service_on_its_config(cluster: Any, pods: Any) -> None:
+    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 1,
+            "engine": {"swapSpace": 1}, "autotune": FAST_TUNING}
+    async with operator():
+        await cluster.create_isvc("smol", spec)
+        engines = await pods(["smol-a"])
+        engines["smol-a"].refuse = "block_size: the engine refuses to change it now"
+        engines["smol-a"].waiting = 150
+        await eventually(lambda: cluster.condition("smol", "Tuned") == ("False", "AdminCallFailed"), timeout=30,
+                         what="Tuned=False AdminCallFailed")
+        tuned = next(c for c in _status(cluster)["conditions"] if c["type"] == "Tuned")
+        assert "the engine refuses to change it now" in tuned["message"]
+        assert "stays on block_size 16, recompute" in tuned["message"]
+        assert engines["smol-a"].settings == (16, "recompute")
+        assert "config" not in _status(cluster).get("tuning", {})
+        await eventually(lambda: "AdminCallFailed" in _reasons(cluster), what="the AdminCallFailed Event")
+
+
+async def test_builtin_autoscaling_writes_replicas_through_the_scale_subresource(cluster: Any, pods: Any) -> None:
+    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 2,
+            "autoscaling": {"enabled": True, "mode": "builtin", "metric": "kvCacheUsage", "target": 0.5,
+                            "maxReplicas": 8, "interval": "1s", "window": "2s"}}
+    async with operator():
+        await cluster.create_isvc("smol", spec)
+        engines = await pods(["smol-a", "smol-b"])
+        engines["smol-a"].kv, engines["smol-b"].kv = 0.9, 0.9  # 1.8 times the target on 2 replicas
+        await eventually(lambda: cluster.get("inferenceservices", "smol")["spec"]["replicas"] == 4, timeout=20,
+                         what="spec.replicas scaled to 4")
+        assert ("PATCH", "inferenceservices", "smol", "scale") in cluster.emulator.writes("inferenceservices")
+        await eventually(lambda: cluster.get("deployments", "smol")["spec"]["replicas"] == 4,
+                         what="the Deployment following spec.replicas")
+        await eventually(lambda: _status(cluster).get("scaling", {}).get("desiredReplicas") == 4,
+                         what="status.scaling")
+        (decision,) = [d for d in _status(cluster)["decisions"] if d["kind"] == "scale"][:1]
+        assert (decision["from"], decision["to"]) == ("2", "4")
+        assert decision["metrics"]["kvCacheUsage"] == pytest.approx(0.9)
+        await eventually(lambda: "Scaled" in _reasons(cluster), what="the Scaled Event")
+        for name in engines:  # deletion costs follow the load: 8 running per pod, in hundredths
+            pod = cluster.get("pods", name)
+            assert pod["metadata"]["annotations"]["controller.kubernetes.io/pod-deletion-cost"] == "800"
+
+
+async def test_keda_without_its_crds_and_monitoring_without_prometheus_operator_are_conditions(
+        cluster: Any) -> None:
+    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1},
+            "autoscaling": {"enabled": True, "mode": "keda", "prometheusAddress": "http://prometheus:9090"}}
+    from kvpilot.operator.monitoring import EngineMonitoring
+
+    async with operator(monitoring=EngineMonitoring(enabled=True)):
+        await cluster.create_isvc("smol", spec)
+        await eventually(lambda: cluster.condition("smol", "ScalingActive") == ("False", "KedaNotInstalled"),
+                         what="ScalingActive=False KedaNotInstalled")
+        await eventually(lambda: cluster.condition("smol", "Monitored") == ("False", "PodMonitorApiMissing"),
+                         what="Monitored=False PodMonitorApiMissing")
+        assert cluster.condition("smol", "Ready") is not None  # the reconcile went on
+        assert not [c for c in cluster.emulator.calls if c[1] in ("scaledobjects", "podmonitors")]
+
+
+@pytest.mark.slow
+async def test_a_real_kvpilot_serve_is_tuned_live(cluster: Any, tmp_path: Path) -> None:
+    """The whole chain with the real engine: its `/metrics`, its `/admin/config` and its own
+    answer afterwards. An idle service off its calm config is moved to it (calm here: block size
+    32), through a canary judged on real requests."""
+    import asyncio
+    import os
+    import subprocess
+
+    from server_harness import free_port
+
+    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 0}, "replicas": 1,
+            "engine": {"swapSpace": 0, "maxModelLen": 256, "maxNumSeqs": 4},
+            "autotune": {**FAST_TUNING, "allowedPreemptionModes": ["recompute"], "calm": {"blockSize": 32},
+                         "canary": {"window": "8s", "timeout": "60s", "minRequests": 1, "tolerance": 0.9}}}
+    async with operator():
+        await cluster.create_isvc("smol", spec)
+        secret = await eventually(functools.partial(cluster.get, "secrets", "smol-admin"), what="the admin Secret")
+        token = base64.b64decode(secret["data"]["token"]).decode()
+        port = free_port()
+        log = (tmp_path / "serve.log").open("w")
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "kvpilot"), "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--max-model-len", "256", "--max-num-seqs", "4", "--swap-space", "0", "--block-size", "16",
+             "--served-model-name", "smol", "--disable-log-stats"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONSAFEPATH": "1", "KVPILOT_ADMIN_TOKEN": token})
+        base = f"http://127.0.0.1:{port}"
+        stop = asyncio.Event()
+
+        async def traffic() -> None:
+            while not stop.is_set():
+                try:
+                    async with cluster.session.post(f"{base}/v1/completions", json={
+                            "model": "smol", "prompt": "The capital of France is", "max_tokens": 4}) as response:
+                        await response.read()
+                        assert response.status == 200, await response.text()
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.2)
+
+        async def ready() -> bool:
+            try:
+                async with cluster.session.get(f"{base}/ready") as response:
+                    return response.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        try:
+            for _ in range(900):
+                assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
+                if await ready():
+                    break
+                await asyncio.sleep(0.2)
+            load = asyncio.create_task(traffic())
+            await cluster.request("POST", f"/api/v1/namespaces/{NS}/pods", {
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "smol-a", "namespace": NS, "labels": SELECTOR},
+                "spec": {"containers": [{"name": "server", "ports": [{"name": "http", "containerPort": port}]}]},
+                "status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
+                "application/json")
+            try:
+                await eventually(lambda: _status(cluster).get("tuning", {}).get("config", {}).get("blockSize") == 32,
+                                 timeout=150, what="the service tuned to block size 32")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; status: {_status(cluster)}; events: {cluster.events('smol')}") from None
+            stop.set()
+            await load
+            async with cluster.session.get(f"{base}/admin/config",
+                                           headers={"Authorization": f"Bearer {token}"}) as response:
+                engine = await response.json()
+            assert engine["block_size"] == 32 and engine["preemption_mode"] == "recompute"
+            reasons = _reasons(cluster)
+            assert "TuningCanary" in reasons and "TuningPromoted" in reasons
+            assert _status(cluster)["tuning"]["pods"] == [{"pod": "smol-a", "blockSize": 32,
+                                                           "preemptionMode": "recompute"}]
+        finally:
+            stop.set()
+            if "load" in locals():
+                load.cancel()
+            proc.terminate()
+            await asyncio.to_thread(proc.wait, 60)
+            log.close()
