@@ -16,7 +16,7 @@ export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 # Without an install, a folder of links gives the import names (kvpilot.runtime -> runtime/, ...).
 shim=$(mktemp -d)
 mkdir -p "$shim/kvpilot"
-for c in runtime kernels operator; do ln -s "$PWD/$c" "$shim/kvpilot/$c"; done
+for c in runtime kernels operator bench; do ln -s "$PWD/$c" "$shim/kvpilot/$c"; done
 export PYTHONPATH="$shim"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 # run_step LIMIT_SECONDS ...: the command under a time cap; a cap of 0 skips the step

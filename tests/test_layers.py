@@ -42,6 +42,8 @@ FORBIDDEN = {
 # Modules that must stay torch-free (their tests run with torch blocked).
 TORCH_FREE = ["kvpilot.runtime.engine.scheduler", "kvpilot.runtime.engine.block_manager",
               "kvpilot.runtime.engine.sequence", "kvpilot.runtime.engine.step_inputs",
+              "kvpilot.runtime.engine.policies", "kvpilot.runtime.engine.host_blocks",
+              "kvpilot.runtime.engine.relayout",
               "kvpilot.runtime.executor.inputs", "kvpilot.runtime.cli"]
 
 LAYER_ORDER = [name for name, _ in RUNTIME_LAYERS]

@@ -16,19 +16,19 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Concatenate, ParamSpec, TypeVar
 
-from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.relayout import plan_relayout
-from kvpilot.runtime.executor import kv_cache
-from kvpilot.runtime.executor.model_runner import ModelRunner
-from kvpilot.runtime.outputs import CompletionOutput, Logprob, RequestOutput
-from kvpilot.runtime.executor.worker import Workers
-from kvpilot.runtime.executor.sampler import SampleResult
-from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.runtime.engine.sequence import DEFAULT_TENANT, Request, Sequence
 from kvpilot.runtime.engine.step_inputs import build_step_inputs
 from kvpilot.runtime.engine.tokenizer import Tokenizer
+from kvpilot.runtime.executor import kv_cache
+from kvpilot.runtime.executor.model_runner import ModelRunner
+from kvpilot.runtime.executor.sampler import SampleResult
+from kvpilot.runtime.executor.worker import Workers
+from kvpilot.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from kvpilot.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -39,12 +39,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.config import SchedulerConfig
+from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.host_blocks import HostBlockPool
 from kvpilot.runtime.engine.policies import Policy, make_policy
 from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
-
 
 # Decode steps of growth a swap-in leaves room for, for every running sequence (see above).
 SWAP_IN_HORIZON = 64

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from kvpilot.runtime.config import ModelConfig
-from kvpilot.runtime.model_source import load_preset
 from kvpilot.runtime.executor.models.llama import LlamaConfig, LlamaForCausalLM
 from kvpilot.runtime.executor.parallel import TPInfo
+from kvpilot.runtime.model_source import load_preset
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -20,9 +20,9 @@ from kvpilot.runtime.executor import kv_cache
 from kvpilot.runtime.executor.batch import to_tensors
 from kvpilot.runtime.executor.cpu_linear import pack_linears
 from kvpilot.runtime.executor.cuda_graphs import DecodeGraphs, GraphsBySize, model_forward
+from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
 from kvpilot.runtime.executor.kv_cache import KVCacheLayout
 from kvpilot.runtime.executor.loader import load_model, resolve_dtype
-from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
 from kvpilot.runtime.executor.models.llama import cos_sin_cache
 from kvpilot.runtime.executor.parallel import TPInfo
 from kvpilot.runtime.executor.sampler import SampleResult, sample

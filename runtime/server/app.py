@@ -29,11 +29,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvpilot.runtime.server.admin import add_admin_routes
 from kvpilot.runtime.args import EngineArgs
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.async_engine import AsyncEngine
 from kvpilot.runtime.engine.tokenizer import Tokenizer
+from kvpilot.runtime.server.admin import add_admin_routes
 from kvpilot.runtime.server.errors import add_error_handlers, bearer_token, unauthorized
 from kvpilot.runtime.server.metrics import ServerMetrics
 from kvpilot.runtime.server.openai_serving import OpenAIServing

@@ -19,13 +19,18 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvpilot.runtime.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from kvpilot.runtime.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+)
 from kvpilot.runtime.engine.engine import RequestError
 from kvpilot.runtime.engine.sequence import DEFAULT_TENANT
-from kvpilot.runtime.outputs import CompletionOutput, RequestOutput, SampleLogprobs
-from kvpilot.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.engine.tokenizer import Tokenizer
+from kvpilot.runtime.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 # choices of one chunk/response, built from one completion and the number of tokens already sent
 ChoiceBuilder = Callable[[CompletionOutput, int, int], dict[str, Any]]

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.config import SchedulerConfig
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.runtime.engine.sequence import Request, Sequence
+from kvpilot.runtime.sampling_params import SamplingParams
 
 SEQ_IDS = itertools.count()  # an engine numbers its sequences; these tests are one engine
 
