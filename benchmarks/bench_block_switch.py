@@ -93,6 +93,17 @@ def _record(outs: list, when: float, token_times: dict[str, list[float]], output
             outputs[out.request_id] = ids
 
 
+def _first_difference(x: list[int], y: list[int]) -> int:
+    return next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
+
+
+def _differing(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, Any]:
+    """How many requests' greedy outputs differ between two runs, and the median position of the
+    first differing token among them."""
+    at = sorted(_first_difference(a[r], b.get(r, [])) for r in a if a[r] != b.get(r))
+    return {"requests": len(at), "of": len(a), "median_first_difference": at[len(at) // 2] if at else None}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="llama-3-8b", help="a dummy-weight preset (runtime/presets)")
@@ -109,6 +120,9 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-gpu-blocks", type=int, help="cache budget in blocks of --block-size (default: the full cache)")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--control", action="store_true",
+                   help="run the unswitched baseline twice too: how many greedy outputs differ between two "
+                        "runs of one configuration (bf16 results depend on the batch each token ran in)")
     p.add_argument("--output", type=Path, help="write the results here as JSON")
     args = p.parse_args()
     if len(args.switch_at) != len(args.switch_to):
@@ -124,10 +138,16 @@ def main() -> None:
     baseline = run(args, llm, prompts, [])
     switched = run(args, llm, prompts, list(zip(args.switch_at, args.switch_to, strict=True)))
     llm.engine.update_config({"block_size": args.block_size})
-    equal = baseline.pop("outputs") == switched.pop("outputs")
+    base_out, switched_out = baseline.pop("outputs"), switched.pop("outputs")
+    equal = base_out == switched_out
+    differing = _differing(base_out, switched_out)
+    control = None
+    if args.control:
+        control = _differing(base_out, run(args, llm, prompts, []).pop("outputs"))
     result = {"preset": args.preset, "device": args.device, "num_blocks": llm.engine.block_manager.num_blocks,
               "requests": args.requests, "rate": args.rate, "prompt_len": args.prompt_len,
-              "output_len": args.output_len, "greedy_equal": equal, "baseline": baseline, "switched": switched,
+              "output_len": args.output_len, "greedy_equal": equal, "differing": differing,
+              "differing_unswitched_rerun": control, "baseline": baseline, "switched": switched,
               "recomputed": sum(len(s.get("preempted", [])) + len(s.get("swapped_recomputed", []))
                                 + s["preemptions_around"] for s in switched["switches"])}
     print(f"{'switch':>10} {'pause ms':>9} {'gap ms':>8} {'MiB moved':>10} {'kept':>5} {'recomputed':>10}")
@@ -139,7 +159,11 @@ def main() -> None:
         r = result[name]
         print(f"{name:>9}: TTFT p50/p99 {r['ttft_ms'][50]:.1f}/{r['ttft_ms'][99]:.1f} ms, "
               f"ITL p50/p99 {r['itl_ms'][50]:.1f}/{r['itl_ms'][99]:.1f} ms, {r['requests_per_s']:.2f} req/s")
-    print(f"greedy outputs equal to the unswitched run: {equal}")
+    print(f"greedy outputs equal to the unswitched run: {equal} ({differing['requests']} of {differing['of']} "
+          f"differ, the median from token {differing['median_first_difference']})")
+    if control is not None:
+        print(f"two unswitched runs: {control['requests']} of {control['of']} differ, "
+              f"the median from token {control['median_first_difference']}")
     if args.output:
         args.output.write_text(json.dumps(result, indent=2, default=str))
 

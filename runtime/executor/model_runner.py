@@ -83,12 +83,46 @@ class ModelRunner:
         stay eager: graphs over NCCL collectives have not been run here (no machine with several
         GPUs was lent)."""
         self.graphs = None
+        if self.device.type == "cuda":
+            for size in self.allowed_block_sizes:
+                self._compile_kernels(size)
         if self.device.type != "cuda" or self.config.device.enforce_eager or self.tp.size > 1:
             return
-        for size in sorted(BLOCK_SIZES, key=lambda s: s != self.block_size):  # the live size first
-            if self.layout.with_block_size(size).num_blocks > 0:
-                self._graphs_for(size)
+        for size in sorted(self.allowed_block_sizes, key=lambda s: s != self.block_size):  # the live size first
+            self._graphs_for(size)
         self.graphs = self._graphs_for(self.block_size)
+
+    @property
+    def allowed_block_sizes(self) -> list[int]:
+        """The block sizes this cache can be cut into (at least one block)."""
+        return [size for size in BLOCK_SIZES if self.layout.with_block_size(size).num_blocks > 0]
+
+    @property
+    def captured_block_sizes(self) -> list[int]:
+        """The block sizes whose decode graphs are captured."""
+        return self._graph_sets.block_sizes
+
+    def _compile_kernels(self, block_size: int) -> None:
+        """Run one mixed step (a prefill of a few blocks beside a one-token decode) on a cut of
+        `block_size`, so that the Triton kernels the size needs are compiled now rather than in the
+        first step after a live switch to it (seconds of stalled decoding). At start only: the
+        blocks it writes hold no sequence yet."""
+        bs = block_size
+        prefill, context = 2 * bs + 3, bs + 2
+        first = list(range(-(-prefill // bs)))
+        second = list(range(len(first), len(first) + -(-context // bs)))
+        if second[-1] >= self.layout.with_block_size(bs).num_blocks:
+            return
+        slots = [first[p // bs] * bs + p % bs for p in range(prefill)]
+        slots.append(second[(context - 1) // bs] * bs + (context - 1) % bs)
+        probe = StepInputs(input_ids=[0] * (prefill + 1), positions=[*range(prefill), context - 1],
+                           slot_mapping=slots, block_tables=[first, second], seq_lens=[prefill, context],
+                           query_start_loc=[0, prefill, prefill + 1], logits_rows=[prefill - 1, prefill])
+        caches = kv_cache.views(self._kv_storage, self.layout.with_block_size(bs))
+        input_ids, positions, meta = to_tensors(probe, self.device)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, caches, self.ops.plan(meta, positions, self.rope, bs), self.ops)
+            self.model.compute_logits(hidden[[prefill - 1, prefill]])
 
     def _graphs_for(self, block_size: int) -> DecodeGraphs | None:
         """The decode graphs of `block_size`, captured now if they were not yet."""
