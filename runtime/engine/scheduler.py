@@ -188,6 +188,8 @@ class Scheduler:
     def _swap_in(self, out: SchedulerOutput) -> None:
         """Bring swapped sequences back into fresh device blocks, oldest first, while the headroom
         stays free. They run from the next step, once their copies have landed."""
+        if not self.swapped:
+            return
         bm = self.block_manager
         horizon = max(SWAP_IN_HORIZON, bm.block_size)
         headroom = sum(bm.num_new_blocks(s, s.num_uncomputed_tokens + horizon) for s in self.running)
