@@ -53,11 +53,12 @@ SWAP_IN_HORIZON = 64
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    # this chunk reaches the end of the sequence's tokens, so a token is sampled (fixed when
+    # scheduled: it stays true after the step has advanced the sequence)
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the sequence's tokens, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -176,8 +177,7 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
-        for s in out.scheduled:
-            self._charge(s, out)
+        self._charge(out.scheduled, out)
 
         if not out.preempted:
             self._swap_in(out)
@@ -240,22 +240,31 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         out.scheduled.append(ScheduledSeq(seq, num_new))
-        self._charge(out.scheduled[-1], out)
+        self._charge(out.scheduled[-1:], out)
 
-    def _charge(self, s: ScheduledSeq, out: SchedulerOutput) -> None:
-        """Count the tokens `s` serves for its tenant: prompt positions computed for the first
-        time, and the token it samples."""
-        seq = s.seq
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens
-        prompt_end = min(end, seq.num_prompt_tokens)
-        num_prompt = max(0, prompt_end - max(start, seq.num_prompt_tokens_served))
-        seq.num_prompt_tokens_served = max(seq.num_prompt_tokens_served, prompt_end)
-        num_generated = int(s.samples)
-        tenant = seq.request.tenant
-        served = out.served_tokens.setdefault(tenant, [0, 0])
-        served[0] += num_prompt
-        served[1] += num_generated
-        self.policy.charge(tenant, num_prompt, num_generated)
+    def _charge(self, scheduled: list[ScheduledSeq], out: SchedulerOutput) -> None:
+        """Count the tokens these serve for their tenants: prompt positions computed for the first
+        time, and the tokens they sample (the policy is charged once per tenant)."""
+        charged: dict[str, list[int]] = {}
+        for s in scheduled:
+            seq = s.seq
+            num_prompt = 0
+            if seq.num_prompt_tokens_served < seq.num_prompt_tokens:
+                start = seq.num_computed_tokens
+                prompt_end = min(start + s.num_new_tokens, seq.num_prompt_tokens)
+                num_prompt = max(0, prompt_end - max(start, seq.num_prompt_tokens_served))
+                seq.num_prompt_tokens_served = max(seq.num_prompt_tokens_served, prompt_end)
+            tenant = seq.request.tenant
+            counts = charged.get(tenant)
+            if counts is None:
+                counts = charged[tenant] = [0, 0]
+            counts[0] += num_prompt
+            counts[1] += s.samples
+        for tenant, (num_prompt, num_generated) in charged.items():
+            served = out.served_tokens.setdefault(tenant, [0, 0])
+            served[0] += num_prompt
+            served[1] += num_generated
+            self.policy.charge(tenant, num_prompt, num_generated)
 
     def _pick_victim(self, scheduled_ids: set[int]) -> Sequence:
         """The running sequence that comes last in the policy's order (the newest under fcfs), not
