@@ -31,12 +31,14 @@ RUNTIME_LAYERS: list[tuple[str, list[str]]] = [
 # Products beside the runtime, with everything of kvpilot's they may import (besides themselves).
 SEPARATE: dict[str, tuple[list[str], set[str]]] = {
     "operator": (["kvpilot.operator"], set()),  # runs without torch, in its own image
-    "bench": (["kvpilot.bench"], {"operator"}),  # fleet simulations drive the operator's policies
+    # fleet simulations drive the operator's policies; `bench throughput` runs the offline engine and
+    # `bench autotune` starts `kvpilot serve` with the runtime's own flag parser
+    "bench": (["kvpilot.bench"], {"operator", "runtime base", "front doors"}),
 }
 # Third-party packages a layer never imports (directly), and why.
 FORBIDDEN = {
     "operator": {"torch", "triton", "transformers"},  # the operator image has none of them
-    "bench": {"torch", "triton", "transformers"},
+    "bench": {"triton", "transformers"},  # torch only in `bench throughput` (its copy-rate probe)
     "kernels": {"transformers"},
 }
 # Modules that must stay torch-free (their tests run with torch blocked).

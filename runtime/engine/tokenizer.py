@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.sequence import Sequence
 
 
@@ -68,3 +69,9 @@ class Tokenizer:
             seq.text += new
             return new
         return ""
+
+
+def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
+    """The tokenizer of `config`'s model, or None for a model without one."""
+    folder = config.model.tokenizer
+    return Tokenizer(folder) if folder else None

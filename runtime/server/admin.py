@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
+from kvpilot.runtime.engine.tokenizer import load_tokenizer
 from kvpilot.runtime.server.errors import check_token
 from kvpilot.runtime.server.protocol import APIError
 
@@ -98,7 +99,6 @@ async def reload_model(state: ServerState, model_path: str, served_model_name: s
         started = time.perf_counter()
         if not await state.engine.wait_idle(state.config.drain_timeout):
             state.engine.abort_all()
-        from kvpilot.runtime.server.app import load_tokenizer
 
         tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, new_config)
         await state.engine.reload(new_config, tokenizer)

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from kvpilot.runtime.args import EngineArgs
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.async_engine import AsyncEngine
-from kvpilot.runtime.engine.tokenizer import Tokenizer
+from kvpilot.runtime.engine.tokenizer import Tokenizer, load_tokenizer
 from kvpilot.runtime.server.admin import add_admin_routes
 from kvpilot.runtime.server.errors import add_error_handlers, bearer_token, unauthorized
 from kvpilot.runtime.server.metrics import ServerMetrics
@@ -284,11 +284,6 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
         if self._drain_task is None:
             self._drain_task = asyncio.ensure_future(drain_then_exit())
-
-
-def load_tokenizer(engine_config: EngineConfig) -> Tokenizer | None:
-    folder = engine_config.model.tokenizer
-    return Tokenizer(folder) if folder else None
 
 
 def make_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "info",

@@ -26,7 +26,7 @@ def test_a_page_parses_into_settings_levels_counters_and_histograms() -> None:
     assert (sample.settings.block_size, sample.settings.preemption_mode, sample.settings.num_gpu_blocks) == (32, "swap", 512)
     assert sample.gauges == {"kv_cache_usage": 0.25, "num_waiting_seqs": 7, "num_running_seqs": 3, "num_swapped_seqs": 1}
     (tokens,) = sample.counters["prompt_tokens"].values()
-    assert tokens.value == 80  # `_created` is optional: kvpilot serve leaves it out, as vLLM does
+    assert tokens.value == 80 and tokens.created is not None
     assert len(sample.counters["swap_bytes"]) == 2  # one series per direction
     (ttft,) = sample.histograms["ttft"].values()
     assert ttft.count == 2 and ttft.bounds[-1] == math.inf

@@ -8,7 +8,16 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    enable_created_metrics,
+    generate_latest,
+)
+from prometheus_client import metrics as prometheus_metrics
 
 from kvpilot.operator.autotune import EngineSettings, WindowSummary
 from kvpilot.operator.autotune import Histogram as Hist
@@ -70,7 +79,16 @@ class PodMetrics:
             self.generation_tokens.inc(output_tokens)
 
     def text(self) -> str:
-        return generate_latest(self.registry).decode()
+        """The page with `_created` series, as prometheus_client writes by default (tests that want
+        a page without them strip them): kvpilot serve turns them off process-wide when its
+        metrics module is imported, which the test process may have done."""
+        was_on = getattr(prometheus_metrics, "_use_created", True)
+        enable_created_metrics()
+        try:
+            return generate_latest(self.registry).decode()
+        finally:
+            if not was_on:
+                disable_created_metrics()
 
 
 def histogram(observations: Iterable[float], bounds: Iterable[float] = LATENCY_BUCKETS) -> Hist:
