@@ -6,7 +6,7 @@ and stops (async_engine.py, core.py). `/health` fails with 503 the moment the co
 
 Routes and their contract are in ARCHITECTURE.md ("HTTP contract"); the OpenAI endpoints'
 logic lives in openai_serving.py, the admin endpoints in admin.py, and every error a client can
-cause leaves through http_errors.py as OpenAI's error JSON (docs/errors.md lists them).
+cause leaves through errors.py as OpenAI's error JSON (docs/errors.md lists them).
 
 *Draining* (SIGTERM): new requests get 503 and `/ready` turns false while admitted requests
 finish, bounded by `drain_timeout`; then whatever is left is aborted and uvicorn exits.
