@@ -30,6 +30,7 @@ from pathlib import Path
 
 from kvpilot.bench.arrival_trace import DAY_S, Trace, TraceError, day_trace, load_trace
 from kvpilot.bench.capacity_curve import CapacityCurve, CurveError, load_curve
+from kvpilot.bench.flags import positive
 from kvpilot.bench.fleet import Pipeline, Policy, SimConfig, simulate
 from kvpilot.bench.self_check import self_check
 from kvpilot.operator.autoscale import ScalingSpec
@@ -46,32 +47,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "module documents")
     g.add_argument("--trace", default=None, metavar="FILE", type=Path,
                    help="arrival rate over time, CSV time_s,rate or JSON (default: a built-in day with bursts)")
-    g.add_argument("--peak-rate", type=_positive, default=None, metavar="REQ/S",
+    g.add_argument("--peak-rate", type=positive, default=None, metavar="REQ/S",
                    help="built-in trace: the day's peak before bursts (default: 8 replicas' worth at the SLO)")
-    g.add_argument("--duration", type=_positive, default=DAY_S, metavar="SECONDS",
+    g.add_argument("--duration", type=positive, default=DAY_S, metavar="SECONDS",
                    help="built-in trace: the day squeezed into this long")
     g.add_argument("--bursts", type=int, default=8, help="built-in trace: bursts in the day")
     g = parser.add_argument_group("SLO and targets")
-    g.add_argument("--slo-ttft-ms", type=_positive, default=1000.0, help="a request meets the SLO within this TTFT")
-    g.add_argument("--slo-e2e-ms", type=_positive, default=None, help="...and, when given, within this E2E")
+    g.add_argument("--slo-ttft-ms", type=positive, default=1000.0, help="a request meets the SLO within this TTFT")
+    g.add_argument("--slo-e2e-ms", type=positive, default=None, help="...and, when given, within this E2E")
     g.add_argument("--headroom", type=_fraction, default=0.8,
                    help="targets are the signals' values at this share of the highest rate meeting the SLO")
-    g.add_argument("--hpa-target", type=_positive, default=None, metavar="WAITING",
+    g.add_argument("--hpa-target", type=positive, default=None, metavar="WAITING",
                    help="hpa-queue's target, requests waiting per pod (default: as the builtin's, from the curve)")
     g.add_argument("--max-replicas", type=int, default=None, help="the policies' maxReplicas (default: 2x static)")
     g = parser.add_argument_group("cluster")
     g.add_argument("--startup-delay", type=float, default=120.0, metavar="SECONDS",
                    help="a new replica's time to Ready (image, model load)")
-    g.add_argument("--scrape-interval", type=_positive, default=15.0, metavar="SECONDS",
+    g.add_argument("--scrape-interval", type=positive, default=15.0, metavar="SECONDS",
                    help="the operator's scrapes of every pod (builtin)")
-    g.add_argument("--prometheus-interval", type=_positive, default=30.0, metavar="SECONDS",
+    g.add_argument("--prometheus-interval", type=positive, default=30.0, metavar="SECONDS",
                    help="Prometheus's scrapes, which the HPA reads through prometheus-adapter")
     g.add_argument("--metrics-lag", type=float, default=5.0, metavar="SECONDS",
                    help="a scrape's age before a decision can read it")
-    g.add_argument("--request-timeout", type=_positive, default=60.0, metavar="SECONDS",
+    g.add_argument("--request-timeout", type=positive, default=60.0, metavar="SECONDS",
                    help="clients give up on a request queued this long")
     g = parser.add_argument_group("simulation")
-    g.add_argument("--tick", type=_positive, default=1.0, metavar="SECONDS")
+    g.add_argument("--tick", type=positive, default=1.0, metavar="SECONDS")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--self-check-requests", type=int, default=20_000,
                    help="requests per curve point in the simulator's self-check")
@@ -178,18 +179,8 @@ def _trace(args: argparse.Namespace, slo_rate: float) -> Trace:
     return day_trace(args.peak_rate or 8 * slo_rate, args.duration, bursts=args.bursts, seed=args.seed)
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, not {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, not {text!r}")
-    return value
-
-
 def _fraction(text: str) -> float:
-    value = _positive(text)
+    value = positive(text)
     if value > 1:
         raise argparse.ArgumentTypeError(f"must lie in (0, 1], not {text!r}")
     return value

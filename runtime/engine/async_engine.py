@@ -49,7 +49,7 @@ from kvpilot.runtime.engine.core import (
 from kvpilot.runtime.engine.engine import RequestError
 from kvpilot.runtime.engine.output_processor import OutputProcessor
 from kvpilot.runtime.engine.sequence import DEFAULT_TENANT
-from kvpilot.runtime.engine.tokenizer import Tokenizer
+from kvpilot.runtime.engine.tokenizer import Tokenizer, encode_prompt
 from kvpilot.runtime.errors import EngineDeadError
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
@@ -235,13 +235,7 @@ class AsyncEngine:
         assert self._loop is not None, "start() first"
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer: pass prompt_token_ids instead of text")
-            text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
+        text, token_ids = encode_prompt(self.tokenizer, prompt)
         arrival = time.time()
         stream = RequestStream(request_id)
         admitted: asyncio.Future[None] = self._loop.create_future()

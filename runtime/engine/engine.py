@@ -22,7 +22,8 @@ from kvpilot.runtime.engine.relayout import plan_relayout
 from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.runtime.engine.sequence import DEFAULT_TENANT, Request, Sequence
 from kvpilot.runtime.engine.step_inputs import build_step_inputs
-from kvpilot.runtime.engine.tokenizer import Tokenizer
+from kvpilot.runtime.engine.tokenizer import Tokenizer, encode_prompt
+from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.executor import kv_cache
 from kvpilot.runtime.executor.model_runner import ModelRunner
 from kvpilot.runtime.executor.sampler import SampleResult
@@ -38,10 +39,6 @@ LIVE_TUNABLES = {
     "block_size": "cache", "preemption_mode": "scheduler", "scheduler_policy": "scheduler",
     "max_num_seqs": "scheduler", "max_num_batched_tokens": "scheduler",
 }
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take (bad prompt, too long, duplicate id)."""
 
 
 @dataclass
@@ -151,13 +148,7 @@ class LLMEngine:
                     arrival_time: float | None = None, priority: int = 0, tenant: str = DEFAULT_TENANT) -> Request:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer: pass prompt_token_ids instead of text")
-            text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
+        text, token_ids = encode_prompt(self.tokenizer, prompt)
         self._validate_prompt(token_ids)
         request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
                           arrival_time=time.time() if arrival_time is None else arrival_time, priority=priority,

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.sequence import Sequence
+from kvpilot.runtime.errors import RequestError
 
 
 class Tokenizer:
@@ -75,3 +76,12 @@ def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
     """The tokenizer of `config`'s model, or None for a model without one."""
     folder = config.model.tokenizer
     return Tokenizer(folder) if folder else None
+
+
+def encode_prompt(tokenizer: Tokenizer | None, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt given as text or as token ids; text needs a tokenizer."""
+    if not isinstance(prompt, str):
+        return None, list(prompt)
+    if tokenizer is None:
+        raise RequestError("this model has no tokenizer: pass prompt_token_ids instead of text")
+    return prompt, tokenizer.encode(prompt)
