@@ -41,6 +41,9 @@ def serve_args(spec: InferenceServiceSpec, source: ModelSource, served_model_nam
         "--max-num-seqs", str(engine.max_num_seqs),
         "--preemption-mode", engine.preemption_mode,
         "--scheduler-policy", engine.scheduler_policy,
+        "--priority-aging", _num(engine.priority_aging),
+        "--fair-prompt-weight", _num(engine.fair_prompt_weight),
+        "--fair-output-weight", _num(engine.fair_output_weight),
     ]
     optional: list[tuple[str, int | float | None]] = [
         ("--num-gpu-blocks-override", engine.num_gpu_blocks_override),

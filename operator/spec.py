@@ -50,6 +50,9 @@ class EngineSpec(_Model):
     max_model_len: int | None = None
     preemption_mode: PreemptionMode = "recompute"
     scheduler_policy: Literal["fcfs", "fair", "priority"] = "fcfs"
+    priority_aging: float = Field(default=10, gt=0, le=86400)
+    fair_prompt_weight: float = Field(default=1, gt=0, le=1000)
+    fair_output_weight: float = Field(default=2, gt=0, le=1000)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
     enforce_eager: bool = False

@@ -50,7 +50,8 @@ def test_crd_operator_and_runtime_defaults_agree(field: str) -> None:
 ALL_ON = {"enableChunkedPrefill": True, "enablePrefixCaching": True, "enforceEager": True,
           "disableLogStats": True, "blockSize": 32, "swapSpace": 8, "gpuMemoryUtilization": 0.85,
           "numGpuBlocksOverride": 1000, "maxNumSeqs": 128, "maxNumBatchedTokens": 8192, "maxModelLen": 4096,
-          "preemptionMode": "swap", "schedulerPolicy": "priority", "maxQueueLen": 100, "metricInterval": 2.5,
+          "preemptionMode": "swap", "schedulerPolicy": "priority", "priorityAging": 30,
+          "fairPromptWeight": 0.5, "fairOutputWeight": 4, "maxQueueLen": 100, "metricInterval": 2.5,
           "device": "cuda", "seed": 7}
 ALL_OFF = {"enableChunkedPrefill": False, "enablePrefixCaching": False, "enforceEager": False,
            "disableLogStats": False, "device": "cpu"}
