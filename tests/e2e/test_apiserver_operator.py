@@ -89,6 +89,8 @@ def test_scale_and_spec_edits_reach_the_deployment(control_plane: ControlPlane, 
     status = eventually(lambda: (o := control_plane.get("kvis", "smol", namespace)) and
                         o["status"]["engine"]["blockSize"] == 32 and o["status"], what="block size 32 in force")
     assert "engineRollingOut" not in status
+    revision = control_plane.get("deployment", "smol", namespace)["metadata"]["annotations"]  # type: ignore[index]
+    assert revision["deployment.kubernetes.io/revision"] == "2"  # one rollout for the one edit
 
 
 def test_hand_edits_of_children_are_repaired(control_plane: ControlPlane, operator: OperatorProcess) -> None:
