@@ -131,8 +131,6 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())
         # False in `kvpilot serve`'s engine core: the API process detokenizes and checks stop strings
         self.detokenize = True
-        # False in `kvpilot serve`'s engine core: the API process detokenizes and checks stop strings
-        self.detokenize = True
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.runner.num_blocks,
                     config.cache.block_size, self.runner.num_blocks * self.runner.bytes_per_block / (1 << 30))
 

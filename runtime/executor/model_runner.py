@@ -118,11 +118,15 @@ class ModelRunner:
         probe = StepInputs(input_ids=[0] * (prefill + 1), positions=[*range(prefill), context - 1],
                            slot_mapping=slots, block_tables=[first, second], seq_lens=[prefill, context],
                            query_start_loc=[0, prefill, prefill + 1], logits_rows=[prefill - 1, prefill])
-        caches = kv_cache.views(self._kv_storage, self.layout.with_block_size(bs))
-        input_ids, positions, meta = to_tensors(probe, self.device)
+        self._probe(probe, kv_cache.views(self._kv_storage, self.layout.with_block_size(bs)), bs)
+
+    def _probe(self, inputs: StepInputs, caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
+        """One eager forward pass and its logits over `caches`, for what it leaves behind (peak
+        memory, compiled kernels), not for its results."""
+        input_ids, positions, meta = to_tensors(inputs, self.device)
         with torch.inference_mode():
-            hidden = self.model(input_ids, caches, self.ops.plan(meta, positions, self.rope, bs), self.ops)
-            self.model.compute_logits(hidden[[prefill - 1, prefill]])
+            hidden = self.model(input_ids, caches, self.ops.plan(meta, positions, self.rope, block_size), self.ops)
+            self.model.compute_logits(hidden[inputs.logits_rows])
 
     def _graphs_for(self, block_size: int) -> DecodeGraphs | None:
         """The decode graphs of `block_size`, captured now if they were not yet."""
@@ -185,14 +189,11 @@ class ModelRunner:
     def _forward_probe(self, num_tokens: int) -> None:
         """One prefill of `num_tokens` tokens over a throwaway one-sequence cache."""
         blocks = -(-num_tokens // self.block_size)
-        self.kv_caches = kv_cache.views(kv_cache.allocate(self.layout, blocks * self.block_size),
-                                        self.layout, num_blocks=blocks)
+        caches = kv_cache.views(kv_cache.allocate(self.layout, blocks * self.block_size), self.layout, num_blocks=blocks)
         probe = StepInputs(input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
                            slot_mapping=list(range(num_tokens)), block_tables=[list(range(blocks))],
                            seq_lens=[num_tokens], query_start_loc=[0, num_tokens], logits_rows=[num_tokens - 1])
-        with torch.inference_mode():
-            self._run(probe)
-        del self.kv_caches
+        self._probe(probe, caches, self.block_size)
 
     def relayout(self, block_size: int, plan: kv_cache.Plan,
                  swap_moves: list[tuple[list[int], list[int], int]]) -> tuple[int, int]:
