@@ -76,16 +76,20 @@ class KVCacheLayout:
 
 
 def allocate(layout: KVCacheLayout, num_tokens: int, *, host: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Flat K and V storage of `num_tokens` slots for every layer: zeroed on the layout's device, or
-    the host swap space (pinned when the device is a GPU; uninitialised: only written blocks are
-    ever read, and untouched host pages cost nothing)."""
+    """Flat K and V storage of `num_tokens` slots for every layer, views of one allocation (K0, V0,
+    K1, ... in order): zeroed on the layout's device, or the host swap space (pinned when the
+    device is a GPU; uninitialised: only written blocks are ever read, and untouched host pages
+    cost nothing)."""
     n = num_tokens * layout.num_kv_heads * layout.head_dim
     if host:
         pin = torch.device(layout.device).type == "cuda"
-        return [(torch.empty(n, dtype=layout.dtype, pin_memory=pin), torch.empty(n, dtype=layout.dtype, pin_memory=pin))
-                for _ in range(layout.num_layers)]
-    return [(torch.zeros(n, dtype=layout.dtype, device=layout.device),
-             torch.zeros(n, dtype=layout.dtype, device=layout.device)) for _ in range(layout.num_layers)]
+        storage = torch.empty(2 * layout.num_layers * n, dtype=layout.dtype, pin_memory=pin)
+    else:
+        storage = torch.zeros(2 * layout.num_layers * n, dtype=layout.dtype, device=layout.device)
+    # one allocation, every tensor the same distance from the next: the swap space copies a block
+    # of every layer with one strided gather over them all (swap.py's `stacked_blocks`)
+    tensors = storage.view(2 * layout.num_layers, n)
+    return [(tensors[2 * i], tensors[2 * i + 1]) for i in range(layout.num_layers)]
 
 
 def block_view(flat: torch.Tensor, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

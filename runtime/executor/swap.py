@@ -12,7 +12,9 @@ scheduler, are one contiguous range. `host_kv_caches()` views `host` in the devi
 shape (num_swap_blocks, block_size, num_kv_heads, head_dim), with the same per-block strides.
 
 A transfer moves whole blocks across all layers: swap-out gathers the device blocks into
-`staging` (one `index_select` per layer and K/V, each over every block of the step), then copies
+`staging` (one `index_select` over a strided view of every layer's K and V, which
+kv_cache.allocate lays out at equal distances in one allocation; one per layer and K/V
+otherwise), then copies
 each contiguous run of host blocks with one `copy_`; swap-in is the mirror image. Both run on a
 side CUDA stream, ordered by events rather than host syncs:
 
@@ -70,6 +72,21 @@ def block_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided((cache.shape[0], block_numel), (block_numel, 1))
 
 
+def stacked_blocks(blocks: list[torch.Tensor]) -> torch.Tensor | None:
+    """The (num_blocks, len(blocks), block_numel) view over every tensor of `blocks` (each
+    (num_blocks, block_numel), as `block_view` gives them) when they lie in one allocation at equal
+    distances (kv_cache.allocate's layout), so that one gather or scatter moves a block of every
+    layer; None when they do not."""
+    first = blocks[0]
+    step = blocks[1].storage_offset() - first.storage_offset() if len(blocks) > 1 else first.numel()
+    storage = first.untyped_storage().data_ptr()
+    for i, b in enumerate(blocks):
+        if (b.untyped_storage().data_ptr() != storage or b.shape != first.shape or b.stride() != first.stride()
+                or b.storage_offset() != first.storage_offset() + i * step):
+            return None
+    return first.as_strided((first.shape[0], len(blocks), first.shape[1]), (first.stride(0), step, 1))
+
+
 def _runs(ids: list[int]) -> Iterator[tuple[int, int, int]]:
     """(position in `ids`, first id, length) of each run of consecutive ids, in order."""
     start = 0
@@ -101,6 +118,7 @@ class SwapSpace:
         new size, and what it held is no longer valid. Waits for transfers in flight."""
         self.synchronize()
         self._caches = [block_view(c) for kv in kv_caches for c in kv]  # layer-major: K0, V0, K1, ...
+        self._stacked = stacked_blocks(self._caches)  # all of them in one view, where they allow it
         first = kv_caches[0][0]
         self._logical_shape, self._logical_strides = tuple(first.shape[1:]), first.stride()[1:]
         self.num_layers = len(kv_caches)
@@ -193,6 +211,9 @@ class SwapSpace:
     def _gather(self, chunk: list[tuple[int, int]]) -> None:
         """Device blocks of (device, host) pairs into staging rows 0.., every layer's K and V."""
         ids = self._index([d for d, _ in chunk])
+        if self._stacked is not None:  # one gather for every layer
+            torch.index_select(self._stacked, 0, ids, out=self.staging[:len(chunk)].flatten(1, 2))
+            return
         for i, cache in enumerate(self._caches):  # (num_blocks, block_numel) each
             torch.index_select(cache, 0, ids, out=self.staging[:len(chunk), i // 2, i % 2])
 
@@ -206,6 +227,9 @@ class SwapSpace:
         for pos, first, length in _runs([h for h, _ in chunk]):
             self.staging[pos:pos + length].copy_(self.host[first:first + length], non_blocking=True)
         ids = self._index([d for _, d in chunk])
+        if self._stacked is not None:  # one scatter for every layer
+            self._stacked.index_copy_(0, ids, self.staging[:len(chunk)].flatten(1, 2))
+            return
         for i, cache in enumerate(self._caches):
             cache.index_copy_(0, ids, self.staging[:len(chunk), i // 2, i % 2])
 

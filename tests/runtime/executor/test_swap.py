@@ -16,13 +16,28 @@ from kvpilot.kernels.reference import kv_cache_empty
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.engine.scheduler import SchedulerOutput
 from kvpilot.runtime.engine.sequence import Sequence
-from kvpilot.runtime.executor import model_runner
-from kvpilot.runtime.executor.swap import SwapSpace, block_view
+from kvpilot.runtime.executor import kv_cache, model_runner
+from kvpilot.runtime.executor.kv_cache import KVCacheLayout
+from kvpilot.runtime.executor.swap import SwapSpace, block_view, stacked_blocks
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 3, 2, 8
 
 
-def random_caches(num_blocks: int, block_size: int, head_major: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def random_caches(num_blocks: int, block_size: int, head_major: bool,
+                  one_allocation: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random caches, each layer's K and V its own tensor, or cut from one allocation as the
+    runner's are (kv_cache.allocate: the swap space then moves all layers with one gather)."""
+    if one_allocation:
+        layout = KVCacheLayout(block_size=8, num_blocks=0, capacity_tokens=0, num_layers=NUM_LAYERS,
+                               num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32, device="cpu",
+                               head_major=head_major, swap_capacity_tokens=0)
+        caches = [tuple(kv_cache.block_view(t, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, head_major) for t in kv)
+                  for kv in kv_cache.allocate(layout, num_blocks * block_size)]
+        for kv in caches:
+            for c in kv:
+                c.copy_(torch.randn(c.shape))
+        return caches
+
     def one() -> torch.Tensor:
         cache = kv_cache_empty(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, head_major=head_major,
                                dtype=torch.float32, device="cpu")
@@ -35,13 +50,16 @@ def block_bytes(block_size: int) -> int:
     return 2 * NUM_LAYERS * block_size * NUM_KV_HEADS * HEAD_DIM * 4
 
 
+@pytest.mark.parametrize("one_allocation", [True, False])
 @pytest.mark.parametrize("head_major", [True, False])
 @pytest.mark.parametrize("staging_blocks", [2, 64])
-def test_blocks_round_trip_bit_identical_into_other_device_blocks(head_major: bool, staging_blocks: int) -> None:
-    caches = random_caches(num_blocks=12, block_size=4, head_major=head_major)
+def test_blocks_round_trip_bit_identical_into_other_device_blocks(head_major: bool, staging_blocks: int,
+                                                                  one_allocation: bool) -> None:
+    caches = random_caches(num_blocks=12, block_size=4, head_major=head_major, one_allocation=one_allocation)
     before = [(k.clone(), v.clone()) for k, v in caches]
     space = SwapSpace(caches, swap_bytes=16 * block_bytes(4), staging_bytes=staging_blocks * block_bytes(4))
     assert space.num_blocks == 16 and space.num_staging_blocks == min(staging_blocks, 16)
+    assert (stacked_blocks(space._caches) is not None) == one_allocation
     out = [(7, 3), (2, 4), (9, 5), (0, 11), (5, 12)]  # host runs 3-5 and 11-12
     space.swap(out, [])
     for k, v in caches:  # the step reuses the device blocks
@@ -58,9 +76,10 @@ def test_blocks_round_trip_bit_identical_into_other_device_blocks(head_major: bo
     assert space.take_stats().num_blocks_out == 0
 
 
+@pytest.mark.parametrize("one_allocation", [True, False])
 @pytest.mark.parametrize("head_major", [True, False])
-def test_host_views_have_the_device_caches_shape_and_per_block_layout(head_major: bool) -> None:
-    caches = random_caches(num_blocks=6, block_size=8, head_major=head_major)
+def test_host_views_have_the_device_caches_shape_and_per_block_layout(head_major: bool, one_allocation: bool) -> None:
+    caches = random_caches(num_blocks=6, block_size=8, head_major=head_major, one_allocation=one_allocation)
     space = SwapSpace(caches, swap_bytes=4 * block_bytes(8))
     space.swap([(5, 2)], [])
     host = space.host_kv_caches()
@@ -78,6 +97,16 @@ def test_a_new_block_size_re_cuts_the_same_host_memory() -> None:
     pointer = space.host.data_ptr()
     space.bind(random_caches(num_blocks=16, block_size=4, head_major=True))
     assert space.host.data_ptr() == pointer and space.num_blocks == 20
+
+
+def test_one_view_over_every_layer_only_where_the_tensors_are_evenly_spaced_in_one_allocation() -> None:
+    storage = torch.arange(6 * 4 * 5.0).view(6, 4, 5)
+    stacked = stacked_blocks(list(storage))
+    assert stacked is not None and stacked.shape == (4, 6, 5)
+    assert torch.equal(stacked, storage.transpose(0, 1))
+    assert stacked_blocks([storage[0], storage[2], storage[3]]) is None  # a gap
+    assert stacked_blocks([storage[0], storage[1].clone()]) is None  # another allocation
+    assert stacked_blocks([storage[0]]) is not None
 
 
 def test_a_block_that_is_not_one_dense_run_is_refused() -> None:
