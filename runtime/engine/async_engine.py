@@ -46,7 +46,7 @@ from kvpilot.runtime.engine.core import (
     UtilityResult,
     run_core,
 )
-from kvpilot.runtime.engine.engine import RequestError
+from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.engine.output_processor import OutputProcessor
 from kvpilot.runtime.engine.sequence import DEFAULT_TENANT
 from kvpilot.runtime.engine.tokenizer import Tokenizer, encode_prompt

@@ -25,7 +25,7 @@ from kvpilot.runtime.engine.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from kvpilot.runtime.engine.engine import RequestError
+from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.engine.sequence import DEFAULT_TENANT
 from kvpilot.runtime.engine.tokenizer import Tokenizer
 from kvpilot.runtime.outputs import CompletionOutput, RequestOutput, SampleLogprobs
