@@ -20,7 +20,13 @@ from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.relayout import plan_relayout
 from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
-from kvpilot.runtime.engine.sequence import DEFAULT_TENANT, Request, Sequence, cut_stop_string, request_output
+from kvpilot.runtime.engine.sequence import (
+    DEFAULT_TENANT,
+    Request,
+    Sequence,
+    cut_stop_string,
+    request_output,
+)
 from kvpilot.runtime.engine.step_inputs import build_step_inputs
 from kvpilot.runtime.engine.tokenizer import Tokenizer, encode_prompt
 from kvpilot.runtime.errors import RequestError

@@ -15,7 +15,13 @@ import itertools
 import time
 
 from kvpilot.runtime.engine.core import RequestDelta
-from kvpilot.runtime.engine.sequence import Request, Sequence, SequenceStatus, cut_stop_string, request_output
+from kvpilot.runtime.engine.sequence import (
+    Request,
+    Sequence,
+    SequenceStatus,
+    cut_stop_string,
+    request_output,
+)
 from kvpilot.runtime.engine.tokenizer import Tokenizer
 from kvpilot.runtime.outputs import Logprob, RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams

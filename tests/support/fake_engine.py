@@ -12,8 +12,8 @@ import signal
 from types import SimpleNamespace
 from typing import Any
 
-from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.engine.sequence import DEFAULT_TENANT, Request, SequenceStatus
+from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 
