@@ -159,8 +159,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
-        for seq in self.running:  # what the last step computed becomes reusable
-            self.block_manager.register_computed(seq)
+        if self.block_manager.enable_prefix_caching:  # what the last step computed becomes reusable
+            for seq in self.running:
+                self.block_manager.register_computed(seq)
         policy = self.policy
         self.running = policy.order(self.running)  # the token budget goes to the first ones first
         if self.swapped:

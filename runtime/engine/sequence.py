@@ -150,14 +150,12 @@ def request_output(request: Request) -> RequestOutput:
         text = seq.text
         if held and seq.finish_reason is None:
             text = text[:max(0, len(text) - held)]
+        # positional, in field order: keywords double the cost of a call made per request per step
         completions.append(CompletionOutput(
-            index=seq.index, text=text, token_ids=seq.token_ids[seq.num_prompt_tokens:],
-            cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
-            logprobs=seq.logprobs if with_logprobs else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-        ))
-        num_cached_tokens = max(num_cached_tokens, seq.num_cached_tokens)
-    return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                         prompt_token_ids=request.prompt_token_ids, outputs=completions,
-                         finished=request.is_finished, metrics=request.metrics,
-                         num_cached_tokens=num_cached_tokens)
+            seq.index, text, seq.token_ids[seq.num_prompt_tokens:],
+            seq.cumulative_logprob if with_logprobs else None, seq.logprobs if with_logprobs else None,
+            seq.finish_reason, seq.stop_reason))
+        if seq.num_cached_tokens > num_cached_tokens:
+            num_cached_tokens = seq.num_cached_tokens
+    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                         request.is_finished, request.metrics, num_cached_tokens)

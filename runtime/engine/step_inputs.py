@@ -39,7 +39,9 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, eos_token_
 
 
 def sampling_row(seq: Sequence, eos_token_ids: frozenset[int]) -> SamplingRow:
-    seed = seq.params.seed
-    return SamplingRow(seq_id=seq.seq_id, params=seq.params, token_ids=seq.token_ids,
-                       num_prompt_tokens=seq.num_prompt_tokens, eos_token_ids=eos_token_ids,
-                       seed=None if seed is None else seed + seq.index)
+    params = seq.request.params
+    seed = params.seed
+    # positional, in field order (seq_id, params, token_ids, num_prompt_tokens, eos_token_ids,
+    # seed): one row per sampling sequence per step, and keywords double the call's cost
+    return SamplingRow(seq.seq_id, params, seq.token_ids, seq.num_prompt_tokens, eos_token_ids,
+                       None if seed is None else seed + seq.index)
