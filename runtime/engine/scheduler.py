@@ -218,6 +218,8 @@ class Scheduler:
             headroom += total - needed
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting or budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            return  # no room: the policy's admission order (a pass over the queue) is not needed
         cursor = self.policy.admission(self.waiting)
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = cursor.peek()
