@@ -306,3 +306,19 @@ def test_backlog_counts_each_tenants_requests_waiting_or_swapped() -> None:
         if not sched.num_unfinished:
             break
     assert swapped_out and swapped_in and recomputed and aborted_swapped and sched.backlog == {}
+
+
+def test_the_waiting_queue_is_ordered_only_when_a_sequence_can_be_admitted() -> None:
+    sched = make(max_num_seqs=1, policy="priority")
+    first, second = make_seq(8, "first"), make_seq(8, "second")
+    sched.add(first)
+    sched.add(second)
+    orders = []
+    admission = sched.policy.admission
+    sched.policy.admission = lambda waiting: orders.append(len(waiting)) or admission(waiting)  # type: ignore[method-assign]
+    run_step(sched, sched.schedule())  # first admitted
+    run_step(sched, sched.schedule())  # the batch is full: the queue of one is left as it is
+    assert orders == [2]
+    sched.finish(first)
+    out = sched.schedule()
+    assert orders == [2, 1] and [s.seq for s in out.scheduled] == [second]
