@@ -77,7 +77,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         wanted = set(ids)
         while len(done) < len(ids):
-            for out in self.engine.step():
+            for out in self.engine.step(finished_only=True):
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
         return [done[i] for i in ids]

@@ -10,6 +10,9 @@ inside functions do run and are counted.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -199,3 +202,13 @@ def test_relative_and_lazy_imports_are_seen(tmp_path: Path) -> None:
     assert {"kvpilot.runtime.executor.sibling", "kvpilot.runtime.executor.models",
             "kvpilot.runtime.engine.engine"} <= found
     assert "kvpilot.runtime.server.app" not in found
+
+
+def test_the_api_process_loads_no_torch() -> None:
+    """`kvpilot serve`'s API process (HTTP, tokenising, detokenising) imports the server app; only
+    the engine core, in its own process, needs torch."""
+    code = "import sys, kvpilot.runtime.server.app; print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -46,11 +46,10 @@ from kvpilot.runtime.engine.core import (
     UtilityResult,
     run_core,
 )
-from kvpilot.runtime.engine.engine import RequestError
 from kvpilot.runtime.engine.output_processor import OutputProcessor
 from kvpilot.runtime.engine.sequence import DEFAULT_TENANT
 from kvpilot.runtime.engine.tokenizer import Tokenizer, encode_prompt
-from kvpilot.runtime.errors import EngineDeadError
+from kvpilot.runtime.errors import EngineDeadError, RequestError
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 

@@ -62,7 +62,9 @@ class BlockManager:
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give `seq` the blocks for `num_new_tokens` more tokens (call can_append first)."""
-        seq.block_table.extend(self.allocate(self.num_new_blocks(seq, num_new_tokens)))
+        count = self.num_new_blocks(seq, num_new_tokens)
+        if count:  # a decode needs none on most steps
+            seq.block_table.extend(self.allocate(count))
 
     def allocate(self, count: int) -> list[int]:
         """`count` blocks from the pool, each held once (least recently freed first)."""

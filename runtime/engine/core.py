@@ -18,8 +18,6 @@ its step loop raises (after sending `CoreDead` with the reason), or when the API
 
 from __future__ import annotations
 
-import collections
-import itertools
 import logging
 import os
 import time
@@ -196,7 +194,7 @@ UTILITIES: dict[str, Callable[..., Any]] = {
 
 def error_kind(error: BaseException) -> tuple[str, str]:
     """(kind, message) of an exception that crosses to the API process."""
-    from kvpilot.runtime.engine.engine import RequestError
+    from kvpilot.runtime.errors import RequestError
 
     if isinstance(error, QueueFullError):
         return "queue_full", str(error)
@@ -332,7 +330,7 @@ class EngineCore:
         from kvpilot.runtime.sampling_params import SamplingParams
 
         try:
-            if self.max_queue_len is not None and self._num_waiting_requests() >= self.max_queue_len:
+            if self.max_queue_len is not None and self.engine.num_waiting_requests >= self.max_queue_len:
                 raise QueueFullError(
                     f"the server's queue is full ({self.max_queue_len} requests waiting); retry later")
             params = SamplingParams(**msg.params)
@@ -395,32 +393,24 @@ class EngineCore:
                 self._forget(request.request_id)
         return deltas
 
-    def _num_waiting_requests(self) -> int:
-        return sum(1 for r in self.engine.requests.values() if r.metrics.first_scheduled_time is None)
-
     def snapshot(self) -> EngineSnapshot:
         e = self.engine
         bm = e.block_manager
         cache, sched = e.config.cache, e.config.scheduler
         return EngineSnapshot(
             num_requests=e.num_unfinished_requests,
-            num_waiting_requests=self._num_waiting_requests(),
+            num_waiting_requests=e.num_waiting_requests,
             num_running_seqs=len(e.scheduler.running),
             num_waiting_seqs=len(e.scheduler.waiting),
-            num_swapped_seqs=len(getattr(e.scheduler, "swapped", ())),
+            num_swapped_seqs=len(e.scheduler.swapped),
             num_free_blocks=bm.num_free_blocks,
             num_blocks=bm.num_blocks,
             kv_cache_usage=bm.usage,
             block_size=cache.block_size,
             preemption_mode=sched.preemption_mode,
             enable_prefix_caching=cache.enable_prefix_caching,
-            waiting_requests_by_tenant=_waiting_by_tenant(e.scheduler),
+            waiting_requests_by_tenant=dict(e.scheduler.backlog),
         )
-
-
-def _waiting_by_tenant(scheduler: Any) -> dict[str, int]:
-    waiting = {s.request for s in itertools.chain(scheduler.waiting, getattr(scheduler, "swapped", ()))}
-    return dict(collections.Counter(r.tenant for r in waiting))
 
 
 def _as_is(request: Any) -> Any:

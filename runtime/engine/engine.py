@@ -20,7 +20,13 @@ from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.relayout import plan_relayout
 from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
-from kvpilot.runtime.engine.sequence import DEFAULT_TENANT, Request, Sequence
+from kvpilot.runtime.engine.sequence import (
+    DEFAULT_TENANT,
+    Request,
+    Sequence,
+    cut_stop_string,
+    request_output,
+)
 from kvpilot.runtime.engine.step_inputs import build_step_inputs
 from kvpilot.runtime.engine.tokenizer import Tokenizer, encode_prompt
 from kvpilot.runtime.errors import RequestError
@@ -28,7 +34,7 @@ from kvpilot.runtime.executor import kv_cache
 from kvpilot.runtime.executor.model_runner import ModelRunner
 from kvpilot.runtime.executor.sampler import SampleResult
 from kvpilot.runtime.executor.worker import Workers
-from kvpilot.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from kvpilot.runtime.outputs import Logprob, RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -125,6 +131,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, layout.num_swap_blocks)
         self.last_relayout: RelayoutReport | None = None
         self.requests: dict[str, Request] = {}
+        self._unscheduled: set[str] = set()  # ids of the requests no step has scheduled yet
         self._seq_ids = itertools.count()  # this engine's own: ids key per-sequence state in the runner
         self._finished_seq_ids: list[int] = []  # for the runner to forget, with the next step
         self.last_step: StepStats | None = None
@@ -154,6 +161,7 @@ class LLMEngine:
         for seq in request.seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = request
+        self._unscheduled.add(request_id)
         return request
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
@@ -177,6 +185,7 @@ class LLMEngine:
             return
         if indices is None or all(seq.is_finished or seq.index in indices for seq in request.seqs):
             del self.requests[request_id]
+            self._unscheduled.discard(request_id)
         for seq in request.seqs:
             if indices is not None and seq.index not in indices:
                 continue
@@ -191,6 +200,11 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Unfinished requests that no step has scheduled yet (kept as they change, not counted)."""
+        return len(self._unscheduled)
 
     # ---- live tuning ----------------------------------------------------------------------
 
@@ -269,7 +283,9 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     @_fails_with_workers
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one step; the output of each request it advanced (`finished_only`: of each request
+        it finished, as `LLM.generate` needs, which saves building the others' every step)."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         # every step, even without copies: the runner orders copies in flight by these calls
@@ -278,21 +294,20 @@ class LLMEngine:
             self.last_step = None
             return []
         outputs: list[RequestOutput] = []
-        num_sampled = 0
+        num_sampled = num_prompt_tokens = 0
         if not sched.is_empty:
             inputs = build_step_inputs(sched.scheduled, self.block_manager.block_size, self.eos_token_ids,
                                        self._finished_seq_ids)
             self._finished_seq_ids = []
             result = self.runner.execute(inputs)
             num_sampled = len(inputs.sampling_rows)
-            outputs = self._postprocess(sched, result)
-        first_tokens = [s.seq for s in sched.scheduled if s.samples and s.seq.num_output_tokens == 1]
+            outputs, num_prompt_tokens = self._postprocess(sched, result, finished_only)
         block_bytes = self.runner.bytes_per_block
         swap = self.runner.take_swap_stats()
         self.last_step = StepStats(
             duration_s=time.perf_counter() - start,
             num_batched_tokens=sched.num_batched_tokens,
-            num_prompt_tokens=sum(seq.num_prompt_tokens for seq in first_tokens),
+            num_prompt_tokens=num_prompt_tokens,
             num_generation_tokens=num_sampled,
             num_preemptions=len(sched.preempted),
             num_swapped_out=sched.num_swapped_out,
@@ -304,42 +319,52 @@ class LLMEngine:
         )
         return outputs
 
-    def _postprocess(self, sched: SchedulerOutput, result: SampleResult) -> list[RequestOutput]:
+    def _postprocess(self, sched: SchedulerOutput, result: SampleResult,
+                     finished_only: bool = False) -> tuple[list[RequestOutput], int]:
+        """Advance the scheduled sequences by their tokens and append what they sampled; the
+        outputs of the requests touched (or finished) and the prompt tokens of the sequences that
+        got their first token."""
         now = time.time()
         touched: dict[str, Request] = {}
-        sample_index = 0
+        token_ids, logprobs = result.token_ids, result.logprobs
+        tokenizer = self.tokenizer if self.detokenize else None
+        sample_index = num_prompt_tokens = 0
         for s in sched.scheduled:
             seq = s.seq
-            samples = s.samples
             seq.num_computed_tokens += s.num_new_tokens
             request = seq.request
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-            if not samples:
+            metrics = request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                self._unscheduled.discard(request.request_id)
+            if not s.samples:
                 continue
-            token = result.token_ids[sample_index]
-            lp = result.logprobs[sample_index]
+            token = token_ids[sample_index]
+            lp = logprobs[sample_index]
             sample_index += 1
             seq.token_ids.append(token)
+            if len(seq.token_ids) - seq.num_prompt_tokens == 1:
+                num_prompt_tokens += seq.num_prompt_tokens
             if lp is not None:
                 self._record_logprobs(seq, token, lp)
-            new_text = self.tokenizer.detokenize_step(seq) if self.detokenize and self.tokenizer else ""
+            new_text = tokenizer.detokenize_step(seq) if tokenizer is not None else ""
             self._check_stop(seq, token, len(new_text))
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 self._finished_seq_ids.append(seq.seq_id)
             touched[request.request_id] = request
         outputs = []
         for request in touched.values():
-            finished = request.is_finished
-            if finished:
+            if request.is_finished:
                 request.metrics.finished_time = now
                 self.requests.pop(request.request_id, None)
+            elif finished_only:
+                continue
             outputs.append(self.make_output(request))
-        return outputs
+        return outputs, num_prompt_tokens
 
     def _record_logprobs(self, seq: Sequence, token: int, lp: tuple[float, int, list[tuple[int, float]]]) -> None:
         value, rank, top = lp
@@ -360,49 +385,11 @@ class LLMEngine:
             if p.stop_token_ids and token in p.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
                 return
-            if p.stop_strings and num_new_chars and self._cut_stop_string(seq, num_new_chars):
+            if p.stop_strings and num_new_chars and cut_stop_string(seq, num_new_chars):
                 return
         max_len = self.config.model.max_model_len
         if (p.max_tokens is not None and num_out >= p.max_tokens) or seq.num_tokens >= max_len:
             seq.finish_reason = "length"
 
-    @staticmethod
-    def _cut_stop_string(seq: Sequence, num_new_chars: int) -> bool:
-        """End the sequence at the first stop string in its text; the text is cut there."""
-        p = seq.params
-        longest = max(len(s) for s in p.stop_strings)
-        # a new match must overlap the new characters: earlier text was checked in earlier steps
-        window_start = max(0, len(seq.text) - num_new_chars - longest + 1)
-        best: tuple[int, str] | None = None
-        for stop in p.stop_strings:
-            at = seq.text.find(stop, window_start)
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is None:
-            return False
-        at, stop = best
-        seq.text = seq.text[:at + len(stop)] if p.include_stop_str_in_output else seq.text[:at]
-        seq.finish_reason, seq.stop_reason = "stop", stop
-        return True
-
-    @staticmethod
-    def make_output(request: Request) -> RequestOutput:
-        completions = []
-        for seq in request.seqs:
-            text = seq.text
-            p = seq.params
-            if p.stop_strings and seq.finish_reason is None:
-                # hold back a tail that may still become a stop string, so streamed text never
-                # shows characters the final text will not have
-                held = max(len(s) for s in p.stop_strings) - 1
-                text = text[:max(0, len(text) - held)]
-            completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob if p.logprobs is not None else None,
-                logprobs=seq.logprobs if p.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            ))
-        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=request.prompt_token_ids, outputs=completions,
-                             finished=request.is_finished, metrics=request.metrics,
-                             num_cached_tokens=max(seq.num_cached_tokens for seq in request.seqs))
+    # the engine core replaces it on its engine (core.py): it reads the requests themselves
+    make_output = staticmethod(request_output)

@@ -15,8 +15,13 @@ import itertools
 import time
 
 from kvpilot.runtime.engine.core import RequestDelta
-from kvpilot.runtime.engine.engine import LLMEngine
-from kvpilot.runtime.engine.sequence import Request, Sequence, SequenceStatus
+from kvpilot.runtime.engine.sequence import (
+    Request,
+    Sequence,
+    SequenceStatus,
+    cut_stop_string,
+    request_output,
+)
 from kvpilot.runtime.engine.tokenizer import Tokenizer
 from kvpilot.runtime.outputs import Logprob, RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
@@ -58,7 +63,7 @@ class OutputProcessor:
                 core_stop = j == last and d.finish_reason == "stop"  # EOS or a stop token: they come first
                 p = seq.params
                 if (not core_stop and p.stop_strings and new_text and seq.num_output_tokens >= p.min_tokens
-                        and LLMEngine._cut_stop_string(seq, len(new_text))):
+                        and cut_stop_string(seq, len(new_text))):
                     if not (j == last and d.finish_reason is not None):
                         stopped.append(seq.index)
                     break
@@ -78,7 +83,7 @@ class OutputProcessor:
         if request.is_finished:
             m.finished_time = delta.finished_time or time.time()
             del self.requests[request.request_id]
-        return LLMEngine.make_output(request), stopped
+        return request_output(request), stopped
 
     def _record_logprobs(self, seq: Sequence, entries: list[tuple[int, float, int]]) -> None:
         decode = self.tokenizer.convert_id if self.tokenizer is not None else (lambda _t: None)

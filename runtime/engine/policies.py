@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, ClassVar
 
 from kvpilot.runtime.config import SchedulerConfig
@@ -171,7 +171,7 @@ class FairPolicy(Policy):
 
     def on_arrival(self, seq: Sequence, scheduler: Scheduler) -> None:
         tenant = seq.request.tenant
-        backlogged = {s.request.tenant for s in itertools.chain(scheduler.waiting, scheduler.swapped)}
+        backlogged = scheduler.backlog  # tenant -> its requests waiting or swapped out, none at zero
         if tenant in backlogged:
             return
         floor = self._floor(backlogged)
@@ -179,7 +179,7 @@ class FairPolicy(Policy):
         if len(self.counters) > self.MAX_IDLE_COUNTERS:
             self._forget_idle(scheduler, floor)
 
-    def _floor(self, backlogged: set[str]) -> float:
+    def _floor(self, backlogged: Collection[str]) -> float:
         """What a tenant becoming backlogged is lifted to."""
         if backlogged:
             return min(self.counter(t) for t in backlogged)

@@ -43,7 +43,7 @@ from kvpilot.runtime.config import SchedulerConfig
 from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.host_blocks import HostBlockPool
 from kvpilot.runtime.engine.policies import Policy, make_policy
-from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
+from kvpilot.runtime.engine.sequence import Request, Sequence, SequenceStatus
 
 # Decode steps of growth a swap-in leaves room for, for every running sequence (see above).
 SWAP_IN_HORIZON = 64
@@ -91,6 +91,10 @@ class Scheduler:
         self.num_swap_blocks = num_swap_blocks
         self.num_preemptions = 0
         self.num_swapped_out = 0  # of the preemptions, those swapped to host memory
+        # tenant -> its requests with a sequence waiting or swapped out (policies.py: backlogged),
+        # kept as sequences come and go so that nothing scans the queues for it
+        self.backlog: dict[str, int] = {}
+        self._num_queued: dict[Request, int] = {}  # request -> its sequences waiting or swapped out
         self._policy = make_policy(config)
 
     @property
@@ -134,6 +138,7 @@ class Scheduler:
         self.policy.on_arrival(seq, self)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._queued(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""
@@ -141,8 +146,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self._unqueued(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
+            self._unqueued(seq)
             self._drop_swap(seq)
         seq.status = SequenceStatus.FINISHED
         self.block_manager.register_computed(seq)
@@ -152,8 +159,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
-        for seq in self.running:  # what the last step computed becomes reusable
-            self.block_manager.register_computed(seq)
+        if self.block_manager.enable_prefix_caching:  # what the last step computed becomes reusable
+            for seq in self.running:
+                self.block_manager.register_computed(seq)
         policy = self.policy
         self.running = policy.order(self.running)  # the token budget goes to the first ones first
         if self.swapped:
@@ -201,6 +209,7 @@ class Scheduler:
             if total + headroom > bm.num_free_blocks:
                 break
             self.swapped.popleft()
+            self._unqueued(seq)
             seq.block_table = bm.allocate(needed)
             out.swap_in.extend(zip(seq.swap_table, seq.block_table, strict=True))
             self._drop_swap(seq)
@@ -209,6 +218,8 @@ class Scheduler:
             headroom += total - needed
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting or budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            return  # no room: the policy's admission order (a pass over the queue) is not needed
         cursor = self.policy.admission(self.waiting)
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = cursor.peek()
@@ -220,6 +231,7 @@ class Scheduler:
             if num_new == 0 or not self.block_manager.can_take(matched, num_new):
                 break
             cursor.take(seq)
+            self._unqueued(seq)
             if matched:
                 self.block_manager.take(seq, matched, digests)
                 if seq.num_output_tokens == 0:
@@ -291,9 +303,29 @@ class Scheduler:
         else:
             self.block_manager.free(seq)
             self._requeue(seq)
+        self._queued(seq)
         if out is not None:
             out.preempted.append(seq)
         self.num_preemptions += 1
+
+    def _queued(self, seq: Sequence) -> None:
+        """`seq` joined the waiting or swapped sequences (a move between the two changes nothing)."""
+        request = seq.request
+        count = self._num_queued.get(request, 0)
+        if count == 0:
+            self.backlog[request.tenant] = self.backlog.get(request.tenant, 0) + 1
+        self._num_queued[request] = count + 1
+
+    def _unqueued(self, seq: Sequence) -> None:
+        """`seq` left the waiting or swapped sequences."""
+        request = seq.request
+        count = self._num_queued.pop(request) - 1
+        if count:
+            self._num_queued[request] = count
+            return
+        remaining = self.backlog.pop(request.tenant) - 1
+        if remaining:
+            self.backlog[request.tenant] = remaining
 
     def _requeue(self, seq: Sequence) -> None:
         seq.num_computed_tokens = 0

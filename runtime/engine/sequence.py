@@ -19,7 +19,7 @@ import enum
 from collections.abc import Iterator
 from dataclasses import KW_ONLY, InitVar, dataclass, field
 
-from kvpilot.runtime.outputs import Logprob, RequestMetrics
+from kvpilot.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 
 
@@ -111,4 +111,51 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        for seq in self.seqs:  # read per request every step: a loop, not all() over a generator
+            if seq.status is not SequenceStatus.FINISHED:
+                return False
+        return True
+
+
+def cut_stop_string(seq: Sequence, num_new_chars: int) -> bool:
+    """End the sequence at the first stop string in its text; the text is cut there."""
+    p = seq.params
+    longest = max(len(s) for s in p.stop_strings)
+    # a new match must overlap the new characters: earlier text was checked in earlier steps
+    window_start = max(0, len(seq.text) - num_new_chars - longest + 1)
+    best: tuple[int, str] | None = None
+    for stop in p.stop_strings:
+        at = seq.text.find(stop, window_start)
+        if at != -1 and (best is None or at < best[0]):
+            best = (at, stop)
+    if best is None:
+        return False
+    at, stop = best
+    seq.text = seq.text[:at + len(stop)] if p.include_stop_str_in_output else seq.text[:at]
+    seq.finish_reason, seq.stop_reason = "stop", stop
+    return True
+
+
+def request_output(request: Request) -> RequestOutput:
+    """The request's output so far: each sample's text and token ids from its start (a text that
+    may still end in a stop string holds back that tail)."""
+    p = request.params
+    with_logprobs = p.logprobs is not None
+    # hold back a tail that may still become a stop string, so streamed text never shows
+    # characters the final text will not have
+    held = max(len(s) for s in p.stop_strings) - 1 if p.stop_strings else 0
+    completions = []
+    num_cached_tokens = 0
+    for seq in request.seqs:
+        text = seq.text
+        if held and seq.finish_reason is None:
+            text = text[:max(0, len(text) - held)]
+        # positional, in field order: keywords double the cost of a call made per request per step
+        completions.append(CompletionOutput(
+            seq.index, text, seq.token_ids[seq.num_prompt_tokens:],
+            seq.cumulative_logprob if with_logprobs else None, seq.logprobs if with_logprobs else None,
+            seq.finish_reason, seq.stop_reason))
+        if seq.num_cached_tokens > num_cached_tokens:
+            num_cached_tokens = seq.num_cached_tokens
+    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                         request.is_finished, request.metrics, num_cached_tokens)

@@ -14,24 +14,34 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, eos_token_
     """Each scheduled sequence's next `num_new_tokens` tokens, back to back; the sequences that
     reach their last token sample, in the order they are scheduled."""
     inputs = StepInputs([], [], [], [], [], [0], [], finished_seq_ids=finished_seq_ids)
+    input_ids, positions, slot_mapping = inputs.input_ids, inputs.positions, inputs.slot_mapping
+    query_start_loc, num_rows = inputs.query_start_loc, 0
     for s in scheduled:
         seq, start = s.seq, s.seq.num_computed_tokens
-        end = start + s.num_new_tokens
         table = seq.block_table
-        inputs.input_ids.extend(seq.token_ids[start:end])
-        inputs.positions.extend(range(start, end))
-        inputs.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        if s.num_new_tokens == 1:  # a decode: most rows of most steps, so no ranges or slices
+            input_ids.append(seq.token_ids[start])
+            positions.append(start)
+            slot_mapping.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            end = start + s.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         inputs.block_tables.append(table)
-        inputs.seq_lens.append(end)
-        inputs.query_start_loc.append(inputs.query_start_loc[-1] + s.num_new_tokens)
+        inputs.seq_lens.append(start + s.num_new_tokens)
+        num_rows += s.num_new_tokens
+        query_start_loc.append(num_rows)
         if s.samples:
-            inputs.logits_rows.append(inputs.query_start_loc[-1] - 1)
+            inputs.logits_rows.append(num_rows - 1)
             inputs.sampling_rows.append(sampling_row(seq, eos_token_ids))
     return inputs
 
 
 def sampling_row(seq: Sequence, eos_token_ids: frozenset[int]) -> SamplingRow:
-    seed = seq.params.seed
-    return SamplingRow(seq_id=seq.seq_id, params=seq.params, token_ids=seq.token_ids,
-                       num_prompt_tokens=seq.num_prompt_tokens, eos_token_ids=eos_token_ids,
-                       seed=None if seed is None else seed + seq.index)
+    params = seq.request.params
+    seed = params.seed
+    # positional, in field order (seq_id, params, token_ids, num_prompt_tokens, eos_token_ids,
+    # seed): one row per sampling sequence per step, and keywords double the call's cost
+    return SamplingRow(seq.seq_id, params, seq.token_ids, seq.num_prompt_tokens, eos_token_ids,
+                       None if seed is None else seed + seq.index)

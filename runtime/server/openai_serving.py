@@ -25,9 +25,9 @@ from kvpilot.runtime.engine.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from kvpilot.runtime.engine.engine import RequestError
 from kvpilot.runtime.engine.sequence import DEFAULT_TENANT
 from kvpilot.runtime.engine.tokenizer import Tokenizer
+from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest

@@ -12,8 +12,8 @@ import signal
 from types import SimpleNamespace
 from typing import Any
 
-from kvpilot.runtime.engine.engine import RequestError
 from kvpilot.runtime.engine.sequence import DEFAULT_TENANT, Request, SequenceStatus
+from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 
@@ -24,7 +24,7 @@ TOKENS = {"hi": 1, "crash": 2, "explode": 3, "hold": 4, "die": 5}
 class FakeEngine:
     def __init__(self, config: Any = None) -> None:
         self.requests: dict[str, Any] = {}
-        self.scheduler = SimpleNamespace(running=[], waiting=[], swapped=[])
+        self.scheduler = SimpleNamespace(running=[], waiting=[], swapped=[], backlog={})
         self.block_manager = SimpleNamespace(num_free_blocks=8, num_blocks=8, usage=0.0)
         self.config = SimpleNamespace(
             cache=SimpleNamespace(block_size=16, enable_prefix_caching=False),
@@ -38,6 +38,10 @@ class FakeEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return sum(1 for r in self.requests.values() if r.metrics.first_scheduled_time is None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

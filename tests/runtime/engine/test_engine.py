@@ -169,3 +169,31 @@ def test_priority_policy_serves_the_most_important_request_first(tiny_models) ->
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
     assert finished == ["first", "second"]
+
+
+def test_waiting_request_count_follows_admission_steps_and_aborts(tiny_models) -> None:
+    folder, _ = tiny_models["llama"]
+    engine = LLM(folder, max_model_len=128, max_num_seqs=1).engine
+    params = SamplingParams(temperature=0, max_tokens=4)
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, [1, 2, 3], params)
+    assert engine.num_waiting_requests == 3
+    engine.step()  # one runs at a time: a is scheduled
+    assert engine.num_waiting_requests == 2
+    engine.abort_request("c")  # never scheduled
+    engine.abort_request("a")  # scheduled: it was no longer counted
+    assert engine.num_waiting_requests == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_waiting_requests == 0
+
+
+def test_finished_only_steps_return_just_the_requests_that_end(tiny_models) -> None:
+    folder, _ = tiny_models["llama"]
+    engine = LLM(folder, max_model_len=128).engine
+    engine.add_request("short", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.add_request("long", [4, 5, 6], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    per_step = []
+    while engine.has_unfinished_requests():
+        per_step.append([(o.request_id, len(o.outputs[0].token_ids)) for o in engine.step(finished_only=True)])
+    assert per_step == [[], [("short", 2)], [], [], [("long", 5)]]

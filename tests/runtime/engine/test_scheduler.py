@@ -266,3 +266,59 @@ def test_priority_policy_preempts_the_least_important_even_if_older() -> None:
     out = sched.schedule()  # both need a third block; only one fits
     assert out.preempted == [old_low]
     assert [s.seq for s in out.scheduled] == [new_high]
+
+
+def test_backlog_counts_each_tenants_requests_waiting_or_swapped() -> None:
+    """The per-tenant backlog kept as sequences move equals a count over the queues, through
+    admissions, swap preemptions and swap-ins, recompute preemptions, finishes and aborts."""
+    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=512, preemption_mode="swap")
+    sched = Scheduler(config, BlockManager(12, 8), num_swap_blocks=64)
+
+    def counted() -> dict[str, int]:
+        requests = {s.request for s in itertools.chain(sched.waiting, sched.swapped)}
+        return {t: sum(1 for r in requests if r.tenant == t) for t in {r.tenant for r in requests}}
+
+    for i in range(8):  # three tenants; some requests have two samples
+        request = Request(f"r{i}", None, list(range(10 + i)), SamplingParams(n=2 if i % 3 == 0 else 1),
+                          arrival_time=float(i), tenant=f"t{i % 3}", seq_ids=SEQ_IDS)
+        for seq in request.seqs:
+            sched.add(seq)
+    assert sched.backlog == counted() == {"t0": 3, "t1": 3, "t2": 2}
+    swapped_out = swapped_in = recomputed = 0
+    aborted_swapped = False
+    for step in range(200):
+        out = sched.schedule()
+        swapped_out += out.num_swapped_out
+        swapped_in += len(out.swap_in) > 0
+        recomputed += len(out.preempted) - out.num_swapped_out
+        run_step(sched, out)
+        if step == 20:
+            sched.config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=512)
+        for s in out.scheduled:
+            if s.seq.num_output_tokens >= 24 and not s.seq.is_finished:
+                sched.finish(s.seq)
+        if step % 7 == 6 and sched.waiting:  # an abort of a queued sequence now and then
+            sched.finish(sched.waiting[-1])
+        if sched.swapped and swapped_out == 2:  # and of a swapped one, once
+            sched.finish(sched.swapped[-1])
+            aborted_swapped = True
+        assert sched.backlog == counted(), step
+        if not sched.num_unfinished:
+            break
+    assert swapped_out and swapped_in and recomputed and aborted_swapped and sched.backlog == {}
+
+
+def test_the_waiting_queue_is_ordered_only_when_a_sequence_can_be_admitted() -> None:
+    sched = make(max_num_seqs=1, policy="priority")
+    first, second = make_seq(8, "first"), make_seq(8, "second")
+    sched.add(first)
+    sched.add(second)
+    orders = []
+    admission = sched.policy.admission
+    sched.policy.admission = lambda waiting: orders.append(len(waiting)) or admission(waiting)  # type: ignore[method-assign]
+    run_step(sched, sched.schedule())  # first admitted
+    run_step(sched, sched.schedule())  # the batch is full: the queue of one is left as it is
+    assert orders == [2]
+    sched.finish(first)
+    out = sched.schedule()
+    assert orders == [2, 1] and [s.seq for s in out.scheduled] == [second]
