@@ -38,6 +38,17 @@ class Plan(Protocol):  # engine.relayout.RelayoutPlan, by shape (the executor do
 
 
 @dataclass(frozen=True)
+class RelayoutCost:
+    """What re-laying the cache cost on one rank (`ModelRunner.relayout`)."""
+
+    bytes_moved: int  # written in device memory
+    swap_bytes_moved: int  # written in the host swap space
+    wait_ms: float  # swap copies in flight, waited for before the re-cut
+    copy_ms: float  # the device cache's copies: device time on CUDA (it overlaps swap_ms), else wall time
+    swap_ms: float  # the host swap space's re-cut
+
+
+@dataclass(frozen=True)
 class KVCacheLayout:
     """Where the KV cache lives and how it is cut into blocks right now."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -196,12 +197,12 @@ class ModelRunner:
         self._probe(probe, caches, self.block_size)
 
     def relayout(self, block_size: int, plan: kv_cache.Plan,
-                 swap_moves: list[tuple[list[int], list[int], int]]) -> tuple[int, int]:
+                 swap_moves: list[tuple[list[int], list[int], int]]) -> kv_cache.RelayoutCost:
         """Re-cut the KV cache into blocks of `block_size` in place, re-laying the blocks `plan`
         keeps (engine/relayout.py), and the swap space with it, keeping each swapped sequence's KV
         (`swap_moves`: old host blocks, new host blocks, tokens; swap.py's `recut`). Returns the
-        bytes written on the device and in host memory. The allocation and every size's decode
-        graphs stay."""
+        bytes written and where the time went (this rank's). The allocation and every size's
+        decode graphs stay."""
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast(("relayout", (block_size, plan, swap_moves)))
         new = self.layout.with_block_size(block_size)
@@ -209,17 +210,29 @@ class ModelRunner:
             raise ValueError(f"the plan re-cuts {plan.old_block_size} -> {plan.num_new_blocks} blocks; this cache is "
                              f"{self.block_size} -> {new.num_blocks}")
         assert self.swap_space is not None
+        started = time.perf_counter()
         self.swap_space.synchronize()  # copies in flight still read and write the old cut
+        waited = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        if cuda:  # device time of the copies: they run while the host re-cuts the swap space
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
         geometry = (new.num_kv_heads, new.head_dim, new.head_major)
         with torch.inference_mode():
             moved = kv_cache.relayout([t for kv in self._kv_storage for t in kv], plan, *geometry)
+            if cuda:
+                end.record()
+            copied = time.perf_counter()
             self.layout = new
             self.kv_caches = kv_cache.views(self._kv_storage, new)
             host_moved = self.swap_space.recut(self.kv_caches, swap_moves)
+            recut = time.perf_counter()
         self.graphs = self._graphs_for(block_size)
-        if self.device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize(self.device)  # the pause ends when the copies have
-        return moved, host_moved
+        copy_ms = begin.elapsed_time(end) if cuda else (copied - waited) * 1e3
+        return kv_cache.RelayoutCost(bytes_moved=moved, swap_bytes_moved=host_moved, wait_ms=(waited - started) * 1e3,
+                                     copy_ms=copy_ms, swap_ms=(recut - copied) * 1e3)
 
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Issue this step's copies of (device, host) block pairs out to the swap space and (host,
