@@ -1,14 +1,19 @@
 """The host side of a live block-size change, on the CPU at a full H200 cache's scale: where the
 pause goes when nothing waits for a GPU.
 
-One engine on the CPU (the `tiny-llama` dummy preset: 2 layers, so the cache copies stay small)
+One engine on the CPU (a dummy model of `--layers` layers, 32 as Llama-3-8B, so that per-tensor work
+counts as there, but one KV head of 8 float16 dimensions, so the cache copies stay small)
 with the block count of the Llama-3-8B run in bench_block_switch.py (`--num-blocks` blocks of 16,
 56,488 by default) and a swap space of the same number of blocks as 4 GiB holds there
 (`--swap-tokens`). `--running` sequences of `--tokens` tokens each (±10%) hold blocks handed out
 from a shuffled free pool (a cache that has served for a while: no sequence's blocks are
 consecutive), `--swapped` more sit in the swap space. Then the engine switches block sizes through
-`update_config` along `--sizes`, `--repeat` times, and each switch's `relayout` report
-(plan_ms, copy_ms, swap_ms, rebuild_ms, pause_ms) is summarised by its median.
+`update_config` along `--sizes`; this is done `--repeat` times, each time with the sequences made
+anew (a merge right after the splits that the same blocks went through moves nothing), and each
+switch's `relayout` report (plan_ms, copy_ms, swap_ms, rebuild_ms, pause_ms) is summarised by its
+median. torch runs one thread: the figures are the host's work, and on a VM whose cores are shared
+idle OpenMP threads turn milliseconds of copying into hundreds. copy_ms and swap_ms here copy a
+tiny cache on the CPU; on a GPU the cache copies run on the device (bench_block_switch.py).
 
   python3 benchmarks/bench_relayout_cpu.py --output relayout_cpu.json
 """
@@ -19,12 +24,15 @@ import argparse
 import json
 import random
 import statistics
-from collections import OrderedDict
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.engine.sequence import SequenceStatus
+from kvpilot.runtime.model_source import load_preset
 
 FIELDS = ("plan_ms", "wait_ms", "copy_ms", "swap_ms", "rebuild_ms", "pause_ms")
 
@@ -33,9 +41,13 @@ def fill(llm: LLM, args: argparse.Namespace, rng: random.Random) -> None:
     """Running and swapped sequences with their KV in place, as if the engine had served them."""
     engine = llm.engine
     bm, sched = engine.block_manager, engine.scheduler
-    free = list(bm.free_block_ids)
-    rng.shuffle(free)
-    bm.free_block_ids = OrderedDict.fromkeys(free)
+    # every free block handed out, then given back in random order: the pool a busy cache has
+    holder = engine.add_request("holder", [0], SamplingParams(max_tokens=1)).seqs[0]
+    sched.waiting.remove(holder)
+    holder.block_table = bm.allocate(bm.num_free_blocks)
+    rng.shuffle(holder.block_table)
+    bm.free(holder)
+    del engine.requests["holder"]
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
     for i in range(args.running + args.swapped):
         n = rng.randint(int(args.tokens * 0.9), int(args.tokens * 1.1))
@@ -68,16 +80,26 @@ def main() -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[8, 32, 16], help="block sizes to switch to, in turn")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--prefix-caching", action="store_true")
+    p.add_argument("--layers", type=int, default=32)
     p.add_argument("--output", type=Path, help="write the results here as JSON")
     args = p.parse_args()
-    bytes_per_token = 2 * 2 * 2 * 16 * 4  # tiny-llama: K and V x 2 layers x 2 KV heads x head dim 16 x fp32
-    llm = LLM("tiny-llama", load_format="dummy", device="cpu", block_size=16, max_model_len=1024,
+    torch.set_num_threads(1)
+    folder = Path(tempfile.mkdtemp(prefix="relayout-bench-"))
+    config = load_preset("tiny-llama") | {"num_hidden_layers": args.layers, "hidden_size": 16,
+                                          "num_attention_heads": 2, "num_key_value_heads": 1}
+    (folder / "config.json").write_text(json.dumps(config))
+    bytes_per_token = 2 * args.layers * 8 * 2  # K and V x layers x one KV head of 8 dims x float16
+    llm = LLM(str(folder), load_format="dummy", device="cpu", dtype="float16", block_size=16, max_model_len=1024,
               max_num_seqs=max(256, args.running), num_gpu_blocks_override=args.num_blocks,
               swap_space=args.swap_tokens * bytes_per_token / (1 << 30), enable_prefix_caching=args.prefix_caching)
-    fill(llm, args, random.Random(0))
     engine = llm.engine
+    fill(llm, args, random.Random(0))
     rows: dict[str, list[dict[str, Any]]] = {}
-    for _ in range(args.repeat):
+    for repeat in range(args.repeat):
+        if repeat:
+            for rid in list(engine.requests):
+                engine.abort_request(rid)
+            fill(llm, args, random.Random(repeat))
         for size in args.sizes:
             old = engine.block_manager.block_size
             if size == old:

@@ -18,7 +18,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.block_manager import BlockManager
-from kvpilot.runtime.engine.relayout import plan_relayout
+from kvpilot.runtime.engine.relayout import gc_paused, plan_relayout
 from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.runtime.engine.sequence import DEFAULT_TENANT, Request, Sequence
 from kvpilot.runtime.engine.step_inputs import build_step_inputs
@@ -230,7 +230,8 @@ class LLMEngine:
         scheduler = dataclasses.replace(self.config.scheduler, **sched_fields)  # type: ignore[arg-type]
         if "block_size" in wanted:
             cache = dataclasses.replace(cache, block_size=wanted["block_size"])  # type: ignore[arg-type]
-            self.last_relayout = self._change_block_size(cache.block_size)
+            with gc_paused():
+                self.last_relayout = self._change_block_size(cache.block_size)
         self.config = dataclasses.replace(self.config, cache=cache, scheduler=scheduler)
         self.scheduler.reconfigure(scheduler)
         after = self.live_config()
@@ -257,19 +258,21 @@ class LLMEngine:
         # the host re-cut keeps a swapped sequence's tokens wherever its new table says (swap.py)
         swap_moves = [(s.swap_table[:-(-s.num_computed_tokens // old.block_size)], list(t), s.num_computed_tokens)
                       for s, t in zip(swapped, swap_plan.tables, strict=True) if t is not None]
-        cost = self.runner.relayout(block_size, plan, swap_moves)
+        cost = self.runner.relayout(block_size, plan, swap_moves)  # on a GPU the copies run meanwhile
         copied = time.perf_counter()
         for seq, table in zip(running, plan.tables, strict=True):
             if table is not None:
-                seq.block_table = list(table)
+                seq.block_table = table
         self.block_manager.reconfigure(new.num_blocks, block_size, sched.running)
         requeued = sched.reconfigure(num_swap_blocks=new.num_swap_blocks, swap_tables=list(swap_plan.tables))
+        rebuilt = time.perf_counter()
+        cost.finish()
         done = time.perf_counter()
         report = RelayoutReport(
             old_block_size=old.block_size, new_block_size=block_size,
             pause_ms=(done - started) * 1e3, bytes_moved=cost.bytes_moved, swap_bytes_moved=cost.swap_bytes_moved,
             plan_ms=(planned - started) * 1e3, wait_ms=cost.wait_ms, copy_ms=cost.copy_ms, swap_ms=cost.swap_ms,
-            rebuild_ms=(done - copied) * 1e3,
+            rebuild_ms=(rebuilt - copied) * 1e3,
             num_blocks=new.num_blocks, num_running_kept=len(running) - len(dropped),
             num_swapped_kept=len(swapped) - len(requeued),
             preempted=[s.request.request_id for s in dropped],

@@ -62,7 +62,8 @@ class ModelRunner:
             swap_capacity_tokens=int(config.cache.swap_space_gib * GiB) // self.layout.bytes_per_token)
         # one allocation for the runner's life: a block-size change re-cuts it in place (kv_cache.py)
         self._kv_storage = kv_cache.allocate(self.layout, self.layout.capacity_tokens)
-        self.kv_caches = kv_cache.views(self._kv_storage, self.layout)
+        self._views_by_size: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.kv_caches = self._caches_for(self.block_size)
         # the swap space: the device cache's per-block layout, whole blocks across layers (swap.py)
         self.swap_space = SwapSpace(self.kv_caches, self.layout.swap_capacity_tokens * self.layout.bytes_per_token)
         self._graph_sets = GraphsBySize()
@@ -119,7 +120,7 @@ class ModelRunner:
         probe = StepInputs(input_ids=[0] * (prefill + 1), positions=[*range(prefill), context - 1],
                            slot_mapping=slots, block_tables=[first, second], seq_lens=[prefill, context],
                            query_start_loc=[0, prefill, prefill + 1], logits_rows=[prefill - 1, prefill])
-        self._probe(probe, kv_cache.views(self._kv_storage, self.layout.with_block_size(bs)), bs)
+        self._probe(probe, self._caches_for(bs), bs)
 
     def _probe(self, inputs: StepInputs, caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
         """One eager forward pass and its logits over `caches`, for what it leaves behind (peak
@@ -136,8 +137,7 @@ class ModelRunner:
         found = self._graph_sets.get(block_size)
         if found is not None:
             return found
-        caches = kv_cache.views(self._kv_storage, self.layout.with_block_size(block_size))
-        forward = model_forward(self.model, caches, self.rope, self.ops.for_graphs())
+        forward = model_forward(self.model, self._caches_for(block_size), self.rope, self.ops.for_graphs())
         graphs = DecodeGraphs(forward, self.config.scheduler.max_num_seqs,
                               -(-self.config.model.max_model_len // block_size), self.device)
         with torch.inference_mode():
@@ -201,8 +201,9 @@ class ModelRunner:
         """Re-cut the KV cache into blocks of `block_size` in place, re-laying the blocks `plan`
         keeps (engine/relayout.py), and the swap space with it, keeping each swapped sequence's KV
         (`swap_moves`: old host blocks, new host blocks, tokens; swap.py's `recut`). Returns the
-        bytes written and where the time went (this rank's). The allocation and every size's
-        decode graphs stay."""
+        bytes written and where the time went (this rank's). The allocation, its views of every
+        size and every size's decode graphs stay. On CUDA the device copies are only queued, ahead
+        of the next step's kernels: the caller's bookkeeping overlaps them (`RelayoutCost.finish`)."""
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast(("relayout", (block_size, plan, swap_moves)))
         new = self.layout.with_block_size(block_size)
@@ -213,26 +214,30 @@ class ModelRunner:
         started = time.perf_counter()
         self.swap_space.synchronize()  # copies in flight still read and write the old cut
         waited = time.perf_counter()
-        cuda = self.device.type == "cuda"
-        if cuda:  # device time of the copies: they run while the host re-cuts the swap space
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
+        events = None
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         geometry = (new.num_kv_heads, new.head_dim, new.head_major)
         with torch.inference_mode():
             moved = kv_cache.relayout([t for kv in self._kv_storage for t in kv], plan, *geometry)
-            if cuda:
-                end.record()
+            if events is not None:
+                events[1].record()
             copied = time.perf_counter()
             self.layout = new
-            self.kv_caches = kv_cache.views(self._kv_storage, new)
+            self.kv_caches = self._caches_for(block_size)
             host_moved = self.swap_space.recut(self.kv_caches, swap_moves)
             recut = time.perf_counter()
         self.graphs = self._graphs_for(block_size)
-        if cuda:
-            torch.cuda.synchronize(self.device)  # the pause ends when the copies have
-        copy_ms = begin.elapsed_time(end) if cuda else (copied - waited) * 1e3
         return kv_cache.RelayoutCost(bytes_moved=moved, swap_bytes_moved=host_moved, wait_ms=(waited - started) * 1e3,
-                                     copy_ms=copy_ms, swap_ms=(recut - copied) * 1e3)
+                                     copy_ms=(copied - waited) * 1e3, swap_ms=(recut - copied) * 1e3, copies=events)
+
+    def _caches_for(self, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (K, V) block views of the cache cut into blocks of `block_size`, made once."""
+        found = self._views_by_size.get(block_size)
+        if found is None:
+            found = self._views_by_size[block_size] = kv_cache.views(self._kv_storage, self.layout.with_block_size(block_size))
+        return found
 
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Issue this step's copies of (device, host) block pairs out to the swap space and (host,
