@@ -11,7 +11,7 @@ consecutive), `--swapped` more sit in the swap space. Then the engine switches b
 `update_config` along `--sizes`; this is done `--repeat` times, each time with the sequences made
 anew (a merge right after the splits that the same blocks went through moves nothing), and each
 switch's `relayout` report (plan_ms, copy_ms, swap_ms, rebuild_ms, pause_ms) is summarised by its
-median. torch runs one thread: the figures are the host's work, and on a VM whose cores are shared
+median and its minimum (on a loaded machine the least noisy estimate). torch runs one thread: the figures are the host's work, and on a VM whose cores are shared
 idle OpenMP threads turn milliseconds of copying into hundreds. copy_ms and swap_ms here copy a
 tiny cache on the CPU; on a GPU the cache copies run on the device (bench_block_switch.py).
 
@@ -109,13 +109,15 @@ def main() -> None:
             assert report is not None and not report.preempted, "the bench's sequences must all fit"
             rows.setdefault(f"{old}->{size}", []).append(report.as_dict())
     summary = {name: {f: statistics.median(r[f] for r in runs) for f in FIELDS}
-               | {"bytes_moved": runs[0]["bytes_moved"], "num_running_kept": runs[0]["num_running_kept"]}
+               | {f"min_{f}": min(r[f] for r in runs) for f in FIELDS}
+               | {"bytes_moved": statistics.median(r["bytes_moved"] for r in runs),
+                  "num_running_kept": runs[0]["num_running_kept"]}
                for name, runs in rows.items()}
     print(f"{args.running} running ({args.tokens} tokens), {args.swapped} swapped, {args.num_blocks} blocks of 16; "
-          f"medians of {args.repeat}")
-    print(f"{'switch':>8} " + " ".join(f"{f:>10}" for f in FIELDS))
+          f"median (min) of {args.repeat}, ms")
+    print(f"{'switch':>8} " + " ".join(f"{f:>15}" for f in FIELDS))
     for name, s in summary.items():
-        print(f"{name:>8} " + " ".join(f"{s[f]:10.2f}" for f in FIELDS))
+        print(f"{name:>8} " + " ".join(f"{s[f]:7.2f} ({s[f'min_{f}']:5.2f})" for f in FIELDS))
     if args.output:
         args.output.write_text(json.dumps({"args": vars(args) | {"output": str(args.output)}, "summary": summary,
                                            "runs": rows}, indent=2, default=str))

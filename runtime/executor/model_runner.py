@@ -106,9 +106,12 @@ class ModelRunner:
 
     def _compile_kernels(self, block_size: int) -> None:
         """Run one mixed step (a prefill of a few blocks beside a one-token decode) on a cut of
-        `block_size`, so that the Triton kernels the size needs are compiled now rather than in the
-        first step after a live switch to it (seconds of stalled decoding). At start only: the
-        blocks it writes hold no sequence yet."""
+        `block_size`, then one-token steps with block tables wide enough for each split variant of
+        the decode path (kernels/paged_attention: `split_probe_widths`), so that every Triton kernel
+        variant a step of this size can launch is compiled now rather than in some step mid-run
+        (seconds of stalled decoding: the kernels leave the integer arguments that vary from step
+        to step unspecialised, so shapes no longer pick variants). At start only: the blocks the
+        mixed step writes hold no sequence yet; the others write nothing (slot -1)."""
         bs = block_size
         prefill, context = 2 * bs + 3, bs + 2
         first = list(range(-(-prefill // bs)))
@@ -121,6 +124,15 @@ class ModelRunner:
                            slot_mapping=slots, block_tables=[first, second], seq_lens=[prefill, context],
                            query_start_loc=[0, prefill, prefill + 1], logits_rows=[prefill - 1, prefill])
         self._probe(probe, self._caches_for(bs), bs)
+        try:
+            from kvpilot.kernels.paged_attention import split_probe_widths
+        except ImportError:  # no Triton: nothing to compile
+            return
+        max_blocks = -(-self.config.model.max_model_len // bs)
+        for width in split_probe_widths(self.num_kv_heads, bs, max_blocks, self.device):
+            wide = StepInputs(input_ids=[0], positions=[0], slot_mapping=[-1], block_tables=[[0] * width],
+                              seq_lens=[1], query_start_loc=[0, 1], logits_rows=[0])
+            self._probe(wide, self._caches_for(bs), bs)
 
     def _probe(self, inputs: StepInputs, caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
         """One eager forward pass and its logits over `caches`, for what it leaves behind (peak
