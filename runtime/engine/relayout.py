@@ -129,7 +129,8 @@ def _plan_split(old: int, new: int, num_old: int, num_new: int, flat: np.ndarray
     if num_new < num_old * k:
         raise ValueError(f"{num_old} blocks of {old} do not fit in {num_new} blocks of {new}")
     split = (flat[:, None] * k + np.arange(k)).ravel().tolist()  # old block b -> new blocks k*b .. k*b+k-1
-    live = np.unique(flat)
+    live = np.sort(flat)
+    live = live[np.concatenate((live[:1] == live[:1], live[1:] != live[:-1]))]  # shared blocks once
     batches = tuple(Writes(live[i:i + max_batch], live[i:i + max_batch, None]) for i in range(0, len(live), max_batch))
     return RelayoutPlan(old, new, num_old, num_new, batches, _cut(split, counts * k, new_counts))
 
@@ -149,8 +150,7 @@ def _plan_merge(old: int, new: int, num_old: int, num_new: int, flat: np.ndarray
     rows.reshape(-1)[np.repeat(group_firsts * k, counts) + within] = flat
     if not len(rows):
         return RelayoutPlan(old, new, num_old, num_new, (), tuple([] for _ in range(num_seqs)))
-    groups, group_of = np.unique(rows, axis=0, return_inverse=True)  # shared groups once
-    group_of = group_of.reshape(-1)
+    groups, group_of = _unique_rows(rows)  # shared groups once
     alive = np.ones(num_seqs, dtype=bool)
     if len(groups) > num_new:
         alive = _fit([group_of[f:f + c].tolist() for f, c in zip(group_firsts, group_counts, strict=True)],
@@ -164,6 +164,18 @@ def _plan_merge(old: int, new: int, num_old: int, num_new: int, flat: np.ndarray
     targets = _cut(dest[np.maximum(group_of, 0)].tolist(), group_counts, group_counts)
     tables = tuple(t if ok else None for t, ok in zip(targets, alive.tolist(), strict=True))
     return RelayoutPlan(old, new, num_old, num_new, batches, tables)
+
+
+def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows, sorted, and each row's index among them (np.unique(axis=0) does the same
+    but imports numpy.ma on its first call: tens of milliseconds of the first switch's pause)."""
+    order = np.lexsort(rows.T[::-1])
+    ranked = rows[order]
+    first = np.ones(len(rows), dtype=bool)
+    first[1:] = (ranked[1:] != ranked[:-1]).any(axis=1)
+    inverse = np.empty(len(rows), dtype=np.int64)
+    inverse[order] = np.cumsum(first) - 1
+    return ranked[first], inverse
 
 
 def _fit(seq_groups: list[list[int]], num_groups: int, capacity: int) -> np.ndarray:
