@@ -167,6 +167,7 @@ def relayout(flats: list[torch.Tensor], plan: Plan, num_kv_heads: int, head_dim:
                 # old block (heads, k, new, dim) -> k new blocks (heads, new, dim) in its own memory
                 target = units.view(plan.num_old_blocks, k, num_kv_heads, new, head_dim)
                 target.index_copy_(0, index, part.transpose(1, 2))
+                del part  # one batch's temporary memory at a time
             moved += n * unit * flats[0].element_size() * len(flats)
             continue
         slots = k * dst[:, None] + np.arange(k)  # the old blocks inside each target's memory
@@ -188,6 +189,7 @@ def relayout(flats: list[torch.Tensor], plan: Plan, num_kv_heads: int, head_dim:
             else:
                 regions = flat[:plan.num_new_blocks * k * unit].view(plan.num_new_blocks, k * unit)
                 regions.index_copy_(0, dst_index, part.view(n, k * unit))
+            del part  # one batch's temporary memory at a time
         moved += copied * unit * flats[0].element_size() * len(flats)
     return moved
 
