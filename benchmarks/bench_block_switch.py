@@ -5,9 +5,11 @@ One engine (a dummy-weight preset, by default the Llama-3-8B shape in bf16 with 
 serves `--requests` prompts of `--prompt-len` random tokens, `--output-len` greedy tokens each,
 arriving at `--rate` per second; the run is done twice with the same arrivals: without switches,
 then with `POST /admin/config`'s engine call `update_config({"block_size": ...})` at each of
-`--switch-at` seconds (sizes from `--switch-to`). Per switch it reports the engine's relayout
-pause, the wall gap between the decode steps around it, the bytes moved and the requests
-recomputed (`preempted`, and scheduler preemptions during the step after).
+`--switch-at` seconds (sizes from `--switch-to`; each must fall inside the arrival window, so that
+it happens under load). Per switch it reports the engine's relayout pause and where it went
+(plan_ms, copy_ms: the device copies, swap_ms, rebuild_ms: docs/architecture.md), the wall gap
+between the decode steps around it, the bytes moved and the requests recomputed (`preempted`, and
+scheduler preemptions during the step after).
 
 GPU (one H200):
   PYTHONSAFEPATH=1 python3 benchmarks/bench_block_switch.py --output block_switch.json
@@ -128,6 +130,10 @@ def main() -> None:
     args = p.parse_args()
     if len(args.switch_at) != len(args.switch_to):
         p.error("--switch-at and --switch-to need one entry each per switch")
+    last = (args.requests - 1) / args.rate
+    if any(not 0 <= at <= last for at in args.switch_at):
+        p.error(f"--switch-at: every switch must come before the last arrival ({args.requests} requests at "
+                f"{args.rate}/s: {last:.2f} s), or it may not happen under load")
     rng = random.Random(0)
     llm = LLM(args.preset, load_format="dummy", device=args.device, dtype=args.dtype,
               max_model_len=args.prompt_len + args.output_len + 16, block_size=args.block_size,
@@ -151,11 +157,16 @@ def main() -> None:
               "differing_unswitched_rerun": control, "baseline": baseline, "switched": switched,
               "recomputed": sum(len(s.get("preempted", [])) + len(s.get("swapped_recomputed", []))
                                 + s["preemptions_around"] for s in switched["switches"])}
-    print(f"{'switch':>10} {'pause ms':>9} {'gap ms':>8} {'MiB moved':>10} {'kept':>5} {'recomputed':>10}")
+    print(f"{'switch':>10} {'pause ms':>9} {'plan':>6} {'wait':>6} {'copy':>6} {'swap':>6} {'rebuild':>7} "
+          f"{'gap ms':>8} {'MiB moved':>10} {'kept':>5} {'recomputed':>10}")
     for s in switched["switches"]:
         print(f"{s.get('old_block_size')}->{s.get('new_block_size'):<6} {s.get('pause_ms', 0):9.1f} "
-              f"{s['decode_gap_ms']:8.1f} {s.get('bytes_moved', 0) / (1 << 20):10.1f} "
+              + " ".join(f"{s.get(f, 0):{w}.1f}" for f, w in (("plan_ms", 6), ("wait_ms", 6), ("copy_ms", 6),
+                                                              ("swap_ms", 6), ("rebuild_ms", 7)))
+              + f" {s['decode_gap_ms']:8.1f} {s.get('bytes_moved', 0) / (1 << 20):10.1f} "
               f"{s.get('num_running_kept', 0):5d} {len(s.get('preempted', [])) + s['preemptions_around']:10d}")
+    if len(switched["switches"]) < len(args.switch_at):
+        print(f"only {len(switched['switches'])} of {len(args.switch_at)} switches happened")
     for name in ("baseline", "switched"):
         r = result[name]
         print(f"{name:>9}: TTFT p50/p99 {r['ttft_ms'][50]:.1f}/{r['ttft_ms'][99]:.1f} ms, "

@@ -17,9 +17,14 @@ Terms: "GQA packing" puts a KV head's group of query heads into the rows of one 
 K/V tile is read once per group; "split-KV" gives slices of a long context to several programs.
 """
 
-from kvpilot.kernels.paged_attention.launcher import paged_attention, paged_attention_with
+from kvpilot.kernels.paged_attention.launcher import (
+           paged_attention,
+           paged_attention_with,
+           split_probe_widths,
+)
 from kvpilot.kernels.paged_attention.pointer_decode import DecodeConfig
 from kvpilot.kernels.paged_attention.prefill import PrefillConfig
 from kvpilot.kernels.paged_attention.tma_decode import TmaDecodeConfig
 
-__all__ = ["DecodeConfig", "PrefillConfig", "TmaDecodeConfig", "paged_attention", "paged_attention_with"]
+__all__ = ["DecodeConfig", "PrefillConfig", "TmaDecodeConfig", "paged_attention", "paged_attention_with",
+           "split_probe_widths"]

@@ -87,6 +87,37 @@ def paged_attention(
                                 max_query_len=max_query_len, use_tma=None if prefer_tma else False)
 
 
+def _default_decode(multi: bool) -> DecodeConfig:
+    # the interpreter's small tiles keep CPU runs short
+    return DecodeConfig(block_n=16, num_stages=1) if INTERPRETING else MULTI_DECODE if multi else DecodeConfig()
+
+
+def _split(num_seqs: int, num_kv_heads: int, max_context: int, decode: DecodeConfig, device: torch.device,
+           num_splits: int | None = None) -> tuple[int, int]:
+    """(number of context slices, tokens per slice, a multiple of decode.block_n) of a decode launch."""
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, device)
+    split_size = cdiv(cdiv(max_context, num_splits), decode.block_n) * decode.block_n
+    return cdiv(max_context, split_size), split_size
+
+
+def split_probe_widths(num_kv_heads: int, block_size: int, max_blocks: int, device: torch.device) -> list[int]:
+    """Block-table widths (in blocks, up to `max_blocks`) at which a step of one sequence with one
+    new token launches each split variant that any step on caches of `block_size` can: split-KV
+    builds its decode kernel once and its reduce kernel once per power of two of slices, and one
+    sequence reaches every count that more sequences do (the launcher splits less as programs
+    grow). A start-up probe runs one such step per width, so that no step compiles one mid-run."""
+    decode = _default_decode(multi=False)
+    seen, widths = {1}, []  # 1: no split, the width every short step has
+    for width in range(1, max_blocks + 1):
+        num_splits, _ = _split(1, num_kv_heads, width * block_size, decode, device)
+        variant = next_power_of_2(num_splits) if num_splits > 1 else 1
+        if variant not in seen:
+            seen.add(variant)
+            widths.append(width)
+    return widths
+
+
 def paged_attention_with(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
@@ -117,14 +148,9 @@ def paged_attention_with(
     # (MULTI) and the prefill kernel does not run
     all_decode = num_tokens == num_seqs if max_query_len is None else max_query_len <= 1
     multi = all_decode and max_query_len is None
-    if decode is None:
-        # the interpreter's small tiles keep CPU runs short
-        decode = DecodeConfig(block_n=16, num_stages=1) if INTERPRETING else MULTI_DECODE if multi else DecodeConfig()
+    decode = decode or _default_decode(multi)
     max_context = block_tables.shape[1] * block_size  # an upper bound known without a sync
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, q.device)
-    split_size = cdiv(cdiv(max_context, num_splits), decode.block_n) * decode.block_n
-    num_splits = cdiv(max_context, split_size)
+    num_splits, split_size = _split(num_seqs, num_kv_heads, max_context, decode, q.device, num_splits)
     why = "not asked for" if use_tma is False else tma_decode.unsupported(q, k_cache, v_cache)
     if use_tma and why:
         raise ValueError(f"the TMA decode kernel cannot serve these caches: {why}")

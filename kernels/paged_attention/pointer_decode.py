@@ -76,7 +76,10 @@ def _decode_token(
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+# the block tables' row stride is the widest table of the step: not specialised (prefill.py says
+# why). split_size is always a multiple of BLOCK_N (>= 16), so its one specialisation is reached
+# by every launch; the part_* strides are multiples of D_PAD (>= 16) likewise.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,

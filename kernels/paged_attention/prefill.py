@@ -27,7 +27,11 @@ class PrefillConfig:
     prefetch: bool = True  # block ids one tile ahead (see tiles.attend_keys)
 
 
-@triton.jit
+# num_seqs and the block tables' row stride (the widest table of the step) change from step to
+# step; Triton would compile a variant for each of "1", "a multiple of 16" and "other" the first
+# time a step shows one, mid-run (a stall of every request). Neither feeds an address the
+# compiler could vectorise: the table is read one block id per lane.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     scale_log2, num_seqs,

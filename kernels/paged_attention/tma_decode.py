@@ -58,7 +58,9 @@ def _attend_block(
     return m_new, l_i, acc
 
 
-@triton.jit
+# the block tables' row stride is the widest table of the step: not specialised (prefill.py says
+# why); the block ids' vector load of CHUNK ids gives up 16-byte accesses, once per CHUNK blocks
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_tma_kernel(
     out_ptr, q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, qsl_ptr, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,

@@ -19,6 +19,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from itertools import chain
+
+import numpy as np
 
 from kvpilot.runtime.engine.sequence import Sequence
 
@@ -36,13 +39,21 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # free blocks of a fresh cut (`reconfigure`), handed out before free_block_ids, lowest id
+        # first (popped from the end): the order one OrderedDict of them would give, without
+        # building one of 100,000 entries while every request waits on the switch
+        self._fresh: list[int] = []
         self.ref_counts = [0] * num_blocks
         self.block_digests: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_block_ids) + len(self._fresh)
+
+    def is_free(self, block_id: int) -> bool:
+        """Whether `block_id` is in the pool (a check for tests: O(num_blocks) after a re-cut)."""
+        return block_id in self.free_block_ids or block_id in self._fresh
 
     @property
     def usage(self) -> float:
@@ -70,8 +81,11 @@ class BlockManager:
         """`count` blocks from the pool, each held once (least recently freed first)."""
         blocks = []
         for _ in range(count):
-            block_id, _ = self.free_block_ids.popitem(last=False)
-            self._evict(block_id)
+            if self._fresh:
+                block_id = self._fresh.pop()  # holds no cached prefix: nothing to evict
+            else:
+                block_id, _ = self.free_block_ids.popitem(last=False)
+                self._evict(block_id)
             self.ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks
@@ -93,12 +107,13 @@ class BlockManager:
         computed blocks (cached blocks that no sequence held are dropped with the old cut)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, not {num_blocks}")
-        ref_counts = [0] * num_blocks
-        for seq in holders:
-            for block_id in seq.block_table:
-                ref_counts[block_id] += 1
-        self.num_blocks, self.block_size, self.ref_counts = num_blocks, block_size, ref_counts
-        self.free_block_ids = OrderedDict.fromkeys(b for b in range(num_blocks) if ref_counts[b] == 0)
+        held = np.fromiter(chain.from_iterable(seq.block_table for seq in holders), dtype=np.int64)
+        counts = np.bincount(held, minlength=num_blocks)  # (numpy: one entry per block, over 100,000)
+        if len(counts) > num_blocks:
+            raise ValueError(f"a holder's table names block {int(held.max())} of {num_blocks}")
+        self.num_blocks, self.block_size, self.ref_counts = num_blocks, block_size, counts.tolist()
+        self.free_block_ids = OrderedDict()
+        self._fresh = np.flatnonzero(counts == 0)[::-1].tolist()
         self.block_digests = [None] * num_blocks
         self.cached = {}
         for seq in holders:

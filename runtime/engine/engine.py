@@ -18,7 +18,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.block_manager import BlockManager
-from kvpilot.runtime.engine.relayout import plan_relayout
+from kvpilot.runtime.engine.relayout import gc_paused, plan_relayout
 from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.runtime.engine.sequence import (
     DEFAULT_TENANT,
@@ -98,6 +98,14 @@ class RelayoutReport:
     pause_ms: float  # no step ran meanwhile: planning, copies and bookkeeping
     bytes_moved: int  # written in device memory
     swap_bytes_moved: int  # written in the host swap space
+    # where the pause went (ms): planning both re-cuts; waiting for swap copies in flight; the device
+    # cache's copies (on CUDA their device time, which overlaps swap_ms); the host swap space's
+    # re-cut; tables, block manager, prefix cache and swap pool rebuilt
+    plan_ms: float
+    wait_ms: float
+    copy_ms: float
+    swap_ms: float
+    rebuild_ms: float
     num_blocks: int
     num_running_kept: int  # running sequences whose KV was re-laid
     num_swapped_kept: int  # swapped sequences whose host KV was re-laid
@@ -236,7 +244,8 @@ class LLMEngine:
         scheduler = dataclasses.replace(self.config.scheduler, **sched_fields)  # type: ignore[arg-type]
         if "block_size" in wanted:
             cache = dataclasses.replace(cache, block_size=wanted["block_size"])  # type: ignore[arg-type]
-            self.last_relayout = self._change_block_size(cache.block_size)
+            with gc_paused():
+                self.last_relayout = self._change_block_size(cache.block_size)
         self.config = dataclasses.replace(self.config, cache=cache, scheduler=scheduler)
         self.scheduler.reconfigure(scheduler)
         after = self.live_config()
@@ -256,28 +265,37 @@ class LLMEngine:
                              [(s.block_table, s.num_computed_tokens) for s in running], batch)
         swap_plan = plan_relayout(old.block_size, block_size, old.num_swap_blocks, new.num_swap_blocks,
                                   [(s.swap_table, s.num_computed_tokens) for s in swapped], batch)
+        planned = time.perf_counter()
         dropped = [running[i] for i in plan.dropped]
         for seq in dropped:
             sched.preempt(seq)  # recompute: its blocks go back before the new cut is counted
         # the host re-cut keeps a swapped sequence's tokens wherever its new table says (swap.py)
         swap_moves = [(s.swap_table[:-(-s.num_computed_tokens // old.block_size)], list(t), s.num_computed_tokens)
                       for s, t in zip(swapped, swap_plan.tables, strict=True) if t is not None]
-        moved, host_moved = self.runner.relayout(block_size, plan, swap_moves)
+        cost = self.runner.relayout(block_size, plan, swap_moves)  # on a GPU the copies run meanwhile
+        copied = time.perf_counter()
         for seq, table in zip(running, plan.tables, strict=True):
             if table is not None:
-                seq.block_table = list(table)
+                seq.block_table = table
         self.block_manager.reconfigure(new.num_blocks, block_size, sched.running)
         requeued = sched.reconfigure(num_swap_blocks=new.num_swap_blocks, swap_tables=list(swap_plan.tables))
+        rebuilt = time.perf_counter()
+        cost.finish()
+        done = time.perf_counter()
         report = RelayoutReport(
             old_block_size=old.block_size, new_block_size=block_size,
-            pause_ms=(time.perf_counter() - started) * 1e3, bytes_moved=moved, swap_bytes_moved=host_moved,
+            pause_ms=(done - started) * 1e3, bytes_moved=cost.bytes_moved, swap_bytes_moved=cost.swap_bytes_moved,
+            plan_ms=(planned - started) * 1e3, wait_ms=cost.wait_ms, copy_ms=cost.copy_ms, swap_ms=cost.swap_ms,
+            rebuild_ms=(rebuilt - copied) * 1e3,
             num_blocks=new.num_blocks, num_running_kept=len(running) - len(dropped),
             num_swapped_kept=len(swapped) - len(requeued),
             preempted=[s.request.request_id for s in dropped],
             swapped_recomputed=[s.request.request_id for s in requeued])
-        logger.info("block size %d -> %d in %.1f ms: %d running and %d swapped sequences kept, %.1f MiB moved, "
-                    "%d recomputed", old.block_size, block_size, report.pause_ms, report.num_running_kept,
-                    report.num_swapped_kept, (moved + host_moved) / (1 << 20), len(dropped) + len(requeued))
+        logger.info("block size %d -> %d in %.1f ms (plan %.1f, wait %.1f, copy %.1f, swap %.1f, rebuild %.1f): "
+                    "%d running and %d swapped sequences kept, %.1f MiB moved, %d recomputed", old.block_size,
+                    block_size, report.pause_ms, report.plan_ms, report.wait_ms, report.copy_ms, report.swap_ms,
+                    report.rebuild_ms, report.num_running_kept, report.num_swapped_kept,
+                    (cost.bytes_moved + cost.swap_bytes_moved) / (1 << 20), len(dropped) + len(requeued))
         return report
 
     # ---- the step -------------------------------------------------------------------------

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Collection
+from itertools import filterfalse
 
 
 class HostBlockPool:
     def __init__(self, num_blocks: int, used: Collection[int] = ()) -> None:
         """`num_blocks` host blocks, all free but `used` (swapped sequences kept across a re-cut)."""
         self.num_blocks = num_blocks
-        self._free: list[int] = [b for b in range(num_blocks) if b not in used]  # sorted
+        used = set(used)
+        free = range(num_blocks) if not used else filterfalse(used.__contains__, range(num_blocks))
+        self._free: list[int] = list(free)  # sorted
 
     @property
     def free_block_ids(self) -> list[int]:

@@ -20,13 +20,19 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kvpilot.runtime.config import BLOCK_SIZES
 
 # Temporary memory one relayout batch may use per cache tensor (one layer's K or V): the plan's
 # max_batch is derived from it, so a switch needs this much headroom on the device, not a second cache.
-RELAYOUT_TEMP_BYTES = 64 << 20
+RELAYOUT_TEMP_BYTES = 256 << 20
+
+
+class Writes(Protocol):  # engine.relayout.Writes
+    dst: np.ndarray  # (n,) blocks of the larger size
+    src: np.ndarray  # (n, k) old blocks, -1 past a sequence's end
 
 
 class Plan(Protocol):  # engine.relayout.RelayoutPlan, by shape (the executor does not import the engine)
@@ -34,7 +40,28 @@ class Plan(Protocol):  # engine.relayout.RelayoutPlan, by shape (the executor do
     new_block_size: int
     num_old_blocks: int
     num_new_blocks: int
-    batches: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
+    batches: tuple[Writes, ...]
+
+
+@dataclass
+class RelayoutCost:
+    """What re-laying the cache cost on one rank (`ModelRunner.relayout`). On CUDA the copies may
+    still run when it is returned (they are queued ahead of the next step): `finish` waits for them."""
+
+    bytes_moved: int  # written in device memory
+    swap_bytes_moved: int  # written in the host swap space
+    wait_ms: float  # swap copies in flight, waited for before the re-cut
+    copy_ms: float  # the device cache's copies: their device time on CUDA (set by `finish`), else wall time
+    swap_ms: float  # the host swap space's re-cut (on CUDA it overlaps the device copies)
+    copies: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: events around the copies
+
+    def finish(self) -> None:
+        """Wait for the device copies and take their device time."""
+        if self.copies is not None:
+            begin, end = self.copies
+            end.synchronize()
+            self.copy_ms = begin.elapsed_time(end)
+            self.copies = None
 
 
 @dataclass(frozen=True)
@@ -112,51 +139,64 @@ def views(flats: list[tuple[torch.Tensor, torch.Tensor]], layout: KVCacheLayout,
 
 def max_batch(layout: KVCacheLayout, old_block_size: int, new_block_size: int) -> int:
     """Writes per relayout batch within RELAYOUT_TEMP_BYTES per tensor (a write is one block of the
-    larger size; head-major batches hold two copies of it: gathered and permuted)."""
+    larger size, gathered once into temporary memory)."""
     per_write = max(old_block_size, new_block_size) * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
-    return max(1, RELAYOUT_TEMP_BYTES // (2 * per_write))
+    return max(1, RELAYOUT_TEMP_BYTES // per_write)
 
 
 def relayout(flats: list[torch.Tensor], plan: Plan, num_kv_heads: int, head_dim: int, head_major: bool) -> int:
     """Re-lay the blocks of `flats` (flat cache tensors cut by `plan.old_block_size`) as `plan` says,
-    in place; returns the bytes written. Token-major blocks split by re-viewing alone; everything
-    else goes through one gather (into temporary memory) and one scatter per batch and tensor."""
+    in place; returns the bytes written. Token-major blocks split by re-viewing alone, and merged
+    blocks already in order stay; everything else goes through one gather (into temporary memory)
+    and one scatter per batch and tensor, the scatter reading the gathered blocks through a
+    permuted view (head-major blocks change their order of heads and tokens), so each byte re-laid
+    is read and written twice. No host synchronisation: the copies are queued on the current
+    stream, ahead of the next step's kernels."""
     old, new = plan.old_block_size, plan.new_block_size
-    if old == new or not flats:
-        return 0
+    if old == new or not flats or (new < old and not head_major):
+        return 0  # token-major: the sub-blocks of a block are already its consecutive runs
     split = new < old
     k = old // new if split else new // old
     unit = old * num_kv_heads * head_dim  # elements of one old block
+    device = flats[0].device
     moved = 0
     for batch in plan.batches:
+        dst, src = batch.dst, batch.src
         if split:
-            if not head_major:
-                continue  # token-major: sub-blocks of a block are already its consecutive runs
-            rows = [r for r, _ in batch]
-            index = torch.tensor(rows, dtype=torch.long, device=flats[0].device)
+            index = _index(dst, device)
+            n = len(dst)
             for flat in flats:
                 units = flat[:plan.num_old_blocks * unit].view(plan.num_old_blocks, unit)
-                part = units.index_select(0, index).view(len(rows), num_kv_heads, k, new, head_dim)
-                units.index_copy_(0, index, part.transpose(1, 2).reshape(len(rows), unit))
-                moved += part.numel() * part.element_size()
+                part = units.index_select(0, index).view(n, num_kv_heads, k, new, head_dim)
+                # old block (heads, k, new, dim) -> k new blocks (heads, new, dim) in its own memory
+                target = units.view(plan.num_old_blocks, k, num_kv_heads, new, head_dim)
+                target.index_copy_(0, index, part.transpose(1, 2))
+                del part  # one batch's temporary memory at a time
+            moved += n * unit * flats[0].element_size() * len(flats)
             continue
-        writes = [(r, g) for r, g in batch
-                  if head_major or any(b != k * r + i for i, b in enumerate(g))]  # token-major: in place already
-        if not writes:
-            continue
-        dst = torch.tensor([r for r, _ in writes], dtype=torch.long, device=flats[0].device)
+        slots = k * dst[:, None] + np.arange(k)  # the old blocks inside each target's memory
+        if not head_major:  # token-major: a group already in place stays
+            move = ~((src == slots) | (src < 0)).all(axis=1)
+            dst, src, slots = dst[move], src[move], slots[move]
+            if not len(dst):
+                continue
+        n, copied = len(dst), int((src >= 0).sum())
         # an unused tail of a group reads the target's own memory: any valid block will do
-        src = torch.tensor([[g[i] if i < len(g) else k * r + i for i in range(k)] for r, g in writes],
-                           dtype=torch.long, device=flats[0].device).view(-1)
-        copied = sum(len(g) for _, g in writes)
+        src_index = _index(np.where(src >= 0, src, slots).reshape(-1), device)
+        dst_index = _index(dst, device)
         for flat in flats:
             units = flat[:plan.num_old_blocks * unit].view(plan.num_old_blocks, unit)
-            regions = flat[:plan.num_new_blocks * k * unit].view(plan.num_new_blocks, k * unit)
-            part = units.index_select(0, src)
-            if head_major:  # (k, heads, old, dim) -> (heads, k * old, dim)
-                part = part.view(len(writes), k, num_kv_heads, old, head_dim).transpose(1, 2).reshape(len(writes), k * unit)
+            part = units.index_select(0, src_index)  # (n * k, unit)
+            if head_major:  # k old blocks (heads, old, dim) -> one new block (heads, k * old, dim)
+                regions = flat[:plan.num_new_blocks * k * unit].view(plan.num_new_blocks, num_kv_heads, k, old, head_dim)
+                regions.index_copy_(0, dst_index, part.view(n, k, num_kv_heads, old, head_dim).transpose(1, 2))
             else:
-                part = part.view(len(writes), k * unit)
-            regions.index_copy_(0, dst, part)
-            moved += copied * unit * flat.element_size()
+                regions = flat[:plan.num_new_blocks * k * unit].view(plan.num_new_blocks, k * unit)
+                regions.index_copy_(0, dst_index, part.view(n, k * unit))
+            del part  # one batch's temporary memory at a time
+        moved += copied * unit * flats[0].element_size() * len(flats)
     return moved
+
+
+def _index(ids: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(device, non_blocking=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -61,7 +62,8 @@ class ModelRunner:
             swap_capacity_tokens=int(config.cache.swap_space_gib * GiB) // self.layout.bytes_per_token)
         # one allocation for the runner's life: a block-size change re-cuts it in place (kv_cache.py)
         self._kv_storage = kv_cache.allocate(self.layout, self.layout.capacity_tokens)
-        self.kv_caches = kv_cache.views(self._kv_storage, self.layout)
+        self._views_by_size: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.kv_caches = self._caches_for(self.block_size)
         # the swap space: the device cache's per-block layout, whole blocks across layers (swap.py)
         self.swap_space = SwapSpace(self.kv_caches, self.layout.swap_capacity_tokens * self.layout.bytes_per_token)
         self._graph_sets = GraphsBySize()
@@ -104,9 +106,12 @@ class ModelRunner:
 
     def _compile_kernels(self, block_size: int) -> None:
         """Run one mixed step (a prefill of a few blocks beside a one-token decode) on a cut of
-        `block_size`, so that the Triton kernels the size needs are compiled now rather than in the
-        first step after a live switch to it (seconds of stalled decoding). At start only: the
-        blocks it writes hold no sequence yet."""
+        `block_size`, then one-token steps with block tables wide enough for each split variant of
+        the decode path (kernels/paged_attention: `split_probe_widths`), so that every Triton kernel
+        variant a step of this size can launch is compiled now rather than in some step mid-run
+        (seconds of stalled decoding: the kernels leave the integer arguments that vary from step
+        to step unspecialised, so shapes no longer pick variants). At start only: the blocks the
+        mixed step writes hold no sequence yet; the others write nothing (slot -1)."""
         bs = block_size
         prefill, context = 2 * bs + 3, bs + 2
         first = list(range(-(-prefill // bs)))
@@ -118,7 +123,16 @@ class ModelRunner:
         probe = StepInputs(input_ids=[0] * (prefill + 1), positions=[*range(prefill), context - 1],
                            slot_mapping=slots, block_tables=[first, second], seq_lens=[prefill, context],
                            query_start_loc=[0, prefill, prefill + 1], logits_rows=[prefill - 1, prefill])
-        self._probe(probe, kv_cache.views(self._kv_storage, self.layout.with_block_size(bs)), bs)
+        self._probe(probe, self._caches_for(bs), bs)
+        try:
+            from kvpilot.kernels.paged_attention import split_probe_widths
+        except ImportError:  # no Triton: nothing to compile
+            return
+        max_blocks = -(-self.config.model.max_model_len // bs)
+        for width in split_probe_widths(self.num_kv_heads, bs, max_blocks, self.device):
+            wide = StepInputs(input_ids=[0], positions=[0], slot_mapping=[-1], block_tables=[[0] * width],
+                              seq_lens=[1], query_start_loc=[0, 1], logits_rows=[0])
+            self._probe(wide, self._caches_for(bs), bs)
 
     def _probe(self, inputs: StepInputs, caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
         """One eager forward pass and its logits over `caches`, for what it leaves behind (peak
@@ -135,8 +149,7 @@ class ModelRunner:
         found = self._graph_sets.get(block_size)
         if found is not None:
             return found
-        caches = kv_cache.views(self._kv_storage, self.layout.with_block_size(block_size))
-        forward = model_forward(self.model, caches, self.rope, self.ops.for_graphs())
+        forward = model_forward(self.model, self._caches_for(block_size), self.rope, self.ops.for_graphs())
         graphs = DecodeGraphs(forward, self.config.scheduler.max_num_seqs,
                               -(-self.config.model.max_model_len // block_size), self.device)
         with torch.inference_mode():
@@ -196,12 +209,13 @@ class ModelRunner:
         self._probe(probe, caches, self.block_size)
 
     def relayout(self, block_size: int, plan: kv_cache.Plan,
-                 swap_moves: list[tuple[list[int], list[int], int]]) -> tuple[int, int]:
+                 swap_moves: list[tuple[list[int], list[int], int]]) -> kv_cache.RelayoutCost:
         """Re-cut the KV cache into blocks of `block_size` in place, re-laying the blocks `plan`
         keeps (engine/relayout.py), and the swap space with it, keeping each swapped sequence's KV
         (`swap_moves`: old host blocks, new host blocks, tokens; swap.py's `recut`). Returns the
-        bytes written on the device and in host memory. The allocation and every size's decode
-        graphs stay."""
+        bytes written and where the time went (this rank's). The allocation, its views of every
+        size and every size's decode graphs stay. On CUDA the device copies are only queued, ahead
+        of the next step's kernels: the caller's bookkeeping overlaps them (`RelayoutCost.finish`)."""
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast(("relayout", (block_size, plan, swap_moves)))
         new = self.layout.with_block_size(block_size)
@@ -209,17 +223,33 @@ class ModelRunner:
             raise ValueError(f"the plan re-cuts {plan.old_block_size} -> {plan.num_new_blocks} blocks; this cache is "
                              f"{self.block_size} -> {new.num_blocks}")
         assert self.swap_space is not None
+        started = time.perf_counter()
         self.swap_space.synchronize()  # copies in flight still read and write the old cut
+        waited = time.perf_counter()
+        events = None
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         geometry = (new.num_kv_heads, new.head_dim, new.head_major)
         with torch.inference_mode():
             moved = kv_cache.relayout([t for kv in self._kv_storage for t in kv], plan, *geometry)
+            if events is not None:
+                events[1].record()
+            copied = time.perf_counter()
             self.layout = new
-            self.kv_caches = kv_cache.views(self._kv_storage, new)
+            self.kv_caches = self._caches_for(block_size)
             host_moved = self.swap_space.recut(self.kv_caches, swap_moves)
+            recut = time.perf_counter()
         self.graphs = self._graphs_for(block_size)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the pause ends when the copies have
-        return moved, host_moved
+        return kv_cache.RelayoutCost(bytes_moved=moved, swap_bytes_moved=host_moved, wait_ms=(waited - started) * 1e3,
+                                     copy_ms=(copied - waited) * 1e3, swap_ms=(recut - copied) * 1e3, copies=events)
+
+    def _caches_for(self, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (K, V) block views of the cache cut into blocks of `block_size`, made once."""
+        found = self._views_by_size.get(block_size)
+        if found is None:
+            found = self._views_by_size[block_size] = kv_cache.views(self._kv_storage, self.layout.with_block_size(block_size))
+        return found
 
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Issue this step's copies of (device, host) block pairs out to the swap space and (host,

@@ -135,27 +135,36 @@ class SwapSpace:
         """`bind` to the device caches of a new block size, keeping the KV of swapped sequences:
         each move is (host blocks in the old cut, host blocks in the new cut, tokens held). Their
         tokens are read out of the old cut first (host memory for them meanwhile), so any new
-        blocks will do. Returns the bytes written into the new cut."""
+        blocks will do; one gather and one scatter per sequence, every layer at once. Returns the
+        bytes written into the new cut."""
         self.synchronize()
+        old_view = self._token_view()
         saved = []
-        old_views = self.host_kv_caches()
         for old, _, num_tokens in moves:
-            index = torch.tensor(old, dtype=torch.long)
-            saved.append([c.index_select(0, index).flatten(0, 1)[:num_tokens] for kv in old_views for c in kv])
+            blocks = old_view[torch.tensor(old, dtype=torch.long)]  # (blocks, layers, 2, block_size, heads, dim)
+            tokens = blocks.movedim(0, 2).flatten(2, 3)[:, :, :num_tokens]  # (layers, 2, tokens, heads, dim)
+            saved.append(tokens)
         self.bind(kv_caches)
-        new_views = [c for kv in self.host_kv_caches() for c in kv]
+        new_view = self._token_view()
+        block_size = new_view.shape[3]
         written = 0
         for (_, new, num_tokens), tokens in zip(moves, saved, strict=True):
-            index = torch.tensor(new, dtype=torch.long)
-            block_size = new_views[0].shape[1]
             if len(new) * block_size < num_tokens:
                 raise ValueError(f"{len(new)} blocks of {block_size} cannot hold {num_tokens} tokens")
-            for view, data in zip(new_views, tokens, strict=True):
-                padded = data.new_zeros((len(new) * block_size, *data.shape[1:]))
-                padded[:num_tokens] = data
-                view[index] = padded.view(len(new), block_size, *data.shape[1:])
-                written += data.numel() * data.element_size()
+            padded = tokens.new_zeros((*tokens.shape[:2], len(new) * block_size, *tokens.shape[3:]))
+            padded[:, :, :num_tokens] = tokens
+            blocks = padded.unflatten(2, (len(new), block_size)).movedim(2, 0)
+            new_view[torch.tensor(new, dtype=torch.long)] = blocks
+            written += tokens.numel() * tokens.element_size()
         return written
+
+    def _token_view(self) -> torch.Tensor:
+        """The host blocks as (num_swap_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), in
+        the device caches' per-block strides."""
+        flat = self.host.view(-1)
+        return flat.as_strided((self.num_blocks, self.num_layers, 2, *self._logical_shape),
+                               (self.num_layers * 2 * self.block_numel, 2 * self.block_numel, self.block_numel,
+                                *self._logical_strides), flat.storage_offset())
 
     def _cut(self, raw: torch.Tensor, num_blocks: int) -> torch.Tensor:
         shape = (num_blocks, self.num_layers, 2, self.block_numel)

@@ -1,5 +1,6 @@
 """benchmarks/bench_block_switch.py's CPU path on a tiny dummy model: three live switches under
-load, nothing recomputed, greedy outputs equal to the unswitched run, the JSON it writes."""
+load, nothing recomputed, greedy outputs equal to the unswitched run, the JSON it writes with each
+switch's pause breakdown; a switch after the last arrival is refused."""
 
 from __future__ import annotations
 
@@ -23,4 +24,14 @@ def test_block_switch_benchmark_runs_tiny_on_cpu(tmp_path: Path) -> None:
     assert result["greedy_equal"] is True and result["recomputed"] == 0
     assert sum(s["num_running_kept"] for s in switches) > 0  # switches happened with requests in flight
     assert all(s["pause_ms"] >= 0 and s["bytes_moved"] >= 0 for s in switches)
+    for s in switches:  # the pause's breakdown (docs/architecture.md), each part within it
+        parts = [s[f] for f in ("plan_ms", "wait_ms", "copy_ms", "swap_ms", "rebuild_ms")]
+        assert min(parts) >= 0 and sum(parts) <= s["pause_ms"]
     assert result["baseline"]["switches"] == [] and result["switched"]["ttft_ms"]["50"] is not None
+
+
+def test_block_switch_benchmark_refuses_a_switch_after_the_arrivals() -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny-llama", "--device", "cpu", "--requests", "10",
+                           "--rate", "40", "--switch-at", "0.05", "1.0", "--switch-to", "8", "16"],
+                          timeout=120, capture_output=True, text=True)
+    assert done.returncode == 2 and "last arrival" in done.stderr

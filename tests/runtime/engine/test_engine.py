@@ -127,6 +127,8 @@ def test_block_size_change_mid_generation_keeps_outputs(tiny_models) -> None:
             assert engine.block_manager.block_size == 8
             report = engine.last_relayout  # every running sequence kept its KV: nothing recomputed
             assert report is not None and report.preempted == [] and report.num_running_kept == 3
+            parts = (report.plan_ms, report.wait_ms, report.copy_ms, report.swap_ms, report.rebuild_ms)
+            assert all(p >= 0 for p in parts) and sum(parts) <= report.pause_ms  # the breakdown is of the pause
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids

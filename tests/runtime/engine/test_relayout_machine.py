@@ -142,7 +142,7 @@ class BlockSwitchMachine(RuleBasedStateMachine):
         assert all(0 <= b < bm.num_blocks for b in holders)
         for b in range(bm.num_blocks):
             assert bm.ref_counts[b] == len(holders.get(b, []))
-            assert (b in bm.free_block_ids) == (b not in holders)
+            assert bm.is_free(b) == (b not in holders)
         bs = bm.block_size
         for owners in holders.values():  # shared only as one prefix: full, computed, same tokens
             if len(owners) > 1:

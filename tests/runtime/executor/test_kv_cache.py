@@ -78,9 +78,9 @@ def test_relayout_keeps_every_kept_token(state) -> None:
 def test_split_is_a_review_and_merge_of_aligned_blocks_moves_nothing_token_major() -> None:
     seqs = [([4, 5, 6], 40), ([0, 1], 32)]
     plan = plan_relayout(16, 8, 8, 16, seqs, max_batch=8)
-    assert plan.tables == ((8, 9, 10, 11, 12), (0, 1, 2, 3))
+    assert plan.tables == ([8, 9, 10, 11, 12], [0, 1, 2, 3])
     merge = plan_relayout(16, 32, 8, 4, seqs, max_batch=8)
-    assert merge.tables[1] == (0,)  # blocks 0 and 1 are new block 0 already
+    assert merge.tables[1] == [0]  # blocks 0 and 1 are new block 0 already
     flat = torch.randn(128 * HEADS * DIM)
     copy = flat.clone()
     kv_cache.relayout([flat], plan, HEADS, DIM, head_major=False)

@@ -109,6 +109,32 @@ def test_one_view_over_every_layer_only_where_the_tensors_are_evenly_spaced_in_o
     assert stacked_blocks([storage[0]]) is not None
 
 
+def host_tokens(space: SwapSpace, table: list[int], num_tokens: int) -> torch.Tensor:
+    """(layers, 2, tokens, heads, dim): a swapped sequence's K/V read through its host table."""
+    bs = space.host_kv_caches()[0][0].shape[1]
+    return torch.stack([torch.stack([c[table[p // bs], p % bs] for p in range(num_tokens)])
+                        for kv in space.host_kv_caches() for c in kv])
+
+
+@pytest.mark.parametrize("head_major", [True, False])
+@pytest.mark.parametrize(("old", "new"), [(8, 4), (4, 16), (16, 8)])
+def test_a_recut_keeps_each_swapped_sequence_tokens_in_its_new_blocks(head_major: bool, old: int, new: int) -> None:
+    space = SwapSpace(random_caches(num_blocks=4, block_size=old, head_major=head_major), swap_bytes=96 * block_bytes(1))
+    space.host.copy_(torch.randn(space.host.shape))
+    seqs = [([5, 1, 3], 2 * old + 3), ([0, 4], old), ([2], 1)]  # scattered old blocks, partial last blocks
+    seqs = [(t, min(n, len(t) * old)) for t, n in seqs]
+    expected = [host_tokens(space, t, n) for t, n in seqs]
+    free = iter(random.Random(old * new).sample(range(96 // new), 96 // new))
+    moves = [(t, [next(free) for _ in range(-(-n // new))], n) for t, n in seqs]
+    written = space.recut(random_caches(num_blocks=4, block_size=new, head_major=head_major), moves)
+    assert space.num_blocks == 96 // new
+    for (_, table, n), tokens in zip(moves, expected, strict=True):
+        assert torch.equal(host_tokens(space, table, n), tokens)
+    assert written == sum(t.numel() for t in expected) * 4
+    with pytest.raises(ValueError, match="cannot hold"):
+        space.recut(random_caches(num_blocks=4, block_size=new, head_major=head_major), [([0], [1], new + 1)])
+
+
 def test_a_block_that_is_not_one_dense_run_is_refused() -> None:
     cache = torch.zeros(4, 8, 2, 16)[:, :, :, :8]  # every row of head_dim cut in half
     with pytest.raises(ValueError, match="dense run"):

@@ -187,6 +187,8 @@ def test_live_block_size_change_keeps_a_running_request(server: RunningServer, c
         relayout = applied["relayout"]  # the running request's KV was re-laid, not recomputed
         assert (relayout["old_block_size"], relayout["new_block_size"], relayout["num_blocks"]) == (16, 32, applied["config"]["num_blocks"])
         assert relayout["num_running_kept"] == 1 and relayout["preempted"] == [] and relayout["pause_ms"] >= 0
+        parts = [relayout[f] for f in ("plan_ms", "wait_ms", "copy_ms", "swap_ms", "rebuild_ms")]
+        assert min(parts) >= 0 and sum(parts) <= relayout["pause_ms"]
         chunks += [line for line in lines if line.startswith("data:")]
     text = "".join(json.loads(c[5:])["choices"][0]["text"] for c in chunks if c != "data: [DONE]"
                    and json.loads(c[5:])["choices"])
