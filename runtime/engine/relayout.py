@@ -259,14 +259,15 @@ def _order(groups: np.ndarray, dest: np.ndarray, k: int, num_new: int,
             unblocked = writer_of[region[ran]]
             np.subtract.at(blocked, unblocked[unblocked >= 0], 1)
             continue
-        # every write left is in a cycle or behind one: send one of them to a free block
-        j = int(np.flatnonzero(~done)[0])
+        # every write left is in a cycle or behind one: send as many of them as there are free
+        # blocks to those (at once: one at a time costs a pass over every write per cycle)
         spare = np.flatnonzero((writer_of < 0) & (pending_reads == 0))
         if len(spare):
-            writer_of[dest[j]] = -1
-            dest[j] = spare[0]
-            writer_of[spare[0]] = j
-            blocked[j] = 0
+            moved = np.flatnonzero(~done)[:len(spare)]
+            writer_of[dest[moved]] = -1
+            dest[moved] = spare[:len(moved)]
+            writer_of[dest[moved]] = moved
+            blocked[moved] = 0
             continue
         rest = np.flatnonzero(~done)  # no free block at all: one batch (all its reads precede its writes)
         remaining = 0
