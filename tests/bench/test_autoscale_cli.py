@@ -53,6 +53,33 @@ def test_a_trace_file_replaces_the_built_in_day_and_the_hpa_target_can_be_set(tm
     assert "waiting 5 per pod" in table
 
 
+def test_several_headrooms_simulate_each_policy_at_each_and_show_each_at_its_best(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "autoscale.json"
+    args = parse("--capacity-curve", str(EXAMPLE), "--duration", "3600", "--peak-rate", "40",
+                 "--self-check-requests", "2000", "--headroom", "0.6", "0.8", "--output", str(out), "--disable-tqdm")
+    assert autoscale.run(args) == 0
+    body = json.loads(out.read_text())
+    policies = {p["policy"]: p for p in body["policies"]}
+    assert {"builtin-kvCacheUsage h0.8", "builtin-kvCacheUsage h0.6", "hpa-queue h0.8", "hpa-queue h0.6",
+            "static-peak", "builtin-kvCacheUsage@0.85"} <= set(policies)
+    assert body["families"]["builtin-kvCacheUsage h0.6"] == "builtin-kvCacheUsage"
+    assert body["curve"]["target_rate_per_replica"] == pytest.approx({"0.8": 8.2286, "0.6": 6.1714}, rel=1e-3)
+    # a lower headroom is a lower target: kvCacheUsage on the curve at 0.6 rather than 0.8 of the SLO rate
+    def target(name: str) -> float:
+        return float(policies[name]["target"].split()[-1])
+    assert target("builtin-kvCacheUsage h0.6") < target("builtin-kvCacheUsage h0.8")
+    goal = body["slo_goal"]
+    for family, name in body["best"].items():
+        settings = [p for n, p in policies.items() if body["families"][n] == family]
+        meeting = [p for p in settings if p["slo_attainment"] >= goal]
+        chosen = min(meeting, key=lambda p: p["replica_hours"]) if meeting else \
+            max(settings, key=lambda p: p["slo_attainment"])
+        assert policies[name] == chosen, family
+    printed = capsys.readouterr().out
+    assert "each policy at its best" in printed
+
+
 def test_a_curve_without_gauges_compares_what_it_can(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     body = json.loads(EXAMPLE.read_text())
     for point in body["points"]:
@@ -90,3 +117,6 @@ def test_bad_flags_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit):
         parse("--capacity-curve", str(EXAMPLE), "--headroom", "1.5")
     assert "must lie in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("--capacity-curve", str(EXAMPLE), "--slo-goal", "101")
+    assert "must lie in (0, 100]" in capsys.readouterr().err
