@@ -12,8 +12,14 @@ points, or `{"description": "...", "points": [...]}`. Each point is one steady l
 * optional, the server's own gauges averaged over the run (what the autoscaler's signals read):
   `kv_cache_usage` (0-1), `num_requests_waiting`, `num_requests_running`, `preemptions_per_s`.
   A gauge must be on every point or on none; a policy whose signal no point carries is skipped.
-A point is *saturated* when it completed less than 95% of what it was offered: its latencies
-grew with the run's length, so only its throughput is used (as the replica's capacity).
+The replica's *capacity* is the highest throughput any point completed. A point is *saturated*
+when it was offered more than that and completed less than 95% of what it was offered: its
+latencies grew with the run's length, so only its throughput is used. A run offered less than
+the capacity that still completed less than 95% of its rate is not saturated: a finite run
+comes short by its last requests' latency (a run of 24 requests, each taking a tenth of the run,
+completes about 10% below its rate however idle the server) and by the randomness of its
+Poisson arrivals (±20% in the span of 24 arrivals); a steady overload would have shown in the
+capacity itself.
 
 Between points every percentile is interpolated linearly in the rate; past the last unsaturated
 point the last segment is extended, up to the capacity, past which the simulator queues.
@@ -134,13 +140,15 @@ def parse_curve(body: Any) -> CapacityCurve:
         entries = body
     if not isinstance(entries, list) or not entries:
         raise CurveError("expected a list of points (or an object with 'points' or 'runs')")
-    points, capacity = [], 0.0
+    runs = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise CurveError(f"point {i}: not an object")
-        rate, throughput = _rate(entry, i), _number(entry, "request_throughput", i)
-        capacity = max(capacity, throughput)
-        if math.isinf(rate) or throughput < _SATURATED * rate:
+        runs.append((_rate(entry, i), _number(entry, "request_throughput", i)))
+    capacity = max(throughput for _, throughput in runs)
+    points = []
+    for i, (entry, (rate, throughput)) in enumerate(zip(entries, runs, strict=True)):
+        if math.isinf(rate) or (rate > capacity and throughput < _SATURATED * rate):
             continue
         latency = {k: _percentiles(entry, k, i) for k in LATENCIES}
         gauges = {g: _number(entry, g, i) for g in GAUGES if entry.get(g) is not None}

@@ -32,6 +32,13 @@ def test_the_example_curve_is_labelled_as_an_example() -> None:
     assert curve.gauges == ("kv_cache_usage", "num_requests_waiting", "num_requests_running", "preemptions_per_s")
 
 
+def test_a_short_run_below_the_capacity_is_not_saturated_but_one_above_it_is() -> None:
+    # 0.1 and 0.2 req/s completed 80% of their rate: a short run's tail, as 0.3 completed more
+    curve = parse_curve([flat(0.1, 0.08), flat(0.2, 0.16), flat(0.3, 0.29), flat(0.5, 0.31)])
+    assert [p.request_rate for p in curve.points] == [0.1, 0.2, 0.3]
+    assert curve.capacity == 0.31
+
+
 def test_bench_serve_output_is_read_as_it_is() -> None:
     def run(rate: float | str, served: float, ttft_p99: float) -> dict[str, Any]:
         pct = {"mean": 0.0, "p50": 0.05, "p90": 0.08, "p99": ttft_p99, "max": 1.0}
