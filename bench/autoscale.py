@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--duration", type=positive, default=DAY_S, metavar="SECONDS",
                    help="built-in trace: the day squeezed into this long")
     g.add_argument("--bursts", type=int, default=8, help="built-in trace: bursts in the day")
+    g.add_argument("--write-trace", default=None, metavar="FILE", type=Path,
+                   help="write the trace simulated as CSV (time_s,rate), which --trace reads back")
     g = parser.add_argument_group("SLO and targets")
     g.add_argument("--slo-ttft-ms", type=positive, default=1000.0, help="a request meets the SLO within this TTFT")
     g.add_argument("--slo-e2e-ms", type=positive, default=None, help="...and, when given, within this E2E")
@@ -99,9 +101,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"slo: even the curve's lowest rate ({curve.points[0].request_rate:g} req/s) misses "
                              f"P99 TTFT {args.slo_ttft_ms:g} ms; no fleet can meet it")
         trace = _trace(args, slo_rate)
+        if args.write_trace is not None:
+            trace.write_csv(args.write_trace)
         plan = _plan(args, curve, trace, slo_rate)
         check = self_check(curve, config, args.self_check_requests)
-    except (CurveError, TraceError, ValueError) as e:
+    except (CurveError, TraceError, ValueError, OSError) as e:
         print(f"kvpilot bench autoscale: error: {e}", file=sys.stderr)
         return 2
     from tqdm import tqdm

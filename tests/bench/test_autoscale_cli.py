@@ -80,6 +80,18 @@ def test_several_headrooms_simulate_each_policy_at_each_and_show_each_at_its_bes
     assert "each policy at its best" in printed
 
 
+def test_a_written_trace_replays_the_built_in_day_exactly(tmp_path: Path) -> None:
+    common = ("--capacity-curve", str(EXAMPLE), "--self-check-requests", "2000", "--disable-tqdm")
+    trace = tmp_path / "day.csv"
+    assert autoscale.run(parse(*common, "--duration", "1800", "--peak-rate", "40", "--write-trace", str(trace),
+                               "--output", str(tmp_path / "built-in.json"))) == 0
+    assert trace.read_text().startswith("time_s,rate\n0.0,")
+    assert autoscale.run(parse(*common, "--trace", str(trace), "--output", str(tmp_path / "file.json"))) == 0
+    built_in, replayed = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("built-in", "file"))
+    assert replayed["policies"] == built_in["policies"]
+    assert replayed["trace"]["peak"] == built_in["trace"]["peak"]
+
+
 def test_a_curve_without_gauges_compares_what_it_can(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     body = json.loads(EXAMPLE.read_text())
     for point in body["points"]:
