@@ -84,16 +84,19 @@ class CapacityCurve:
         return min(max(value, 0.0), 1.0) if name == "kv_cache_usage" else max(value, 0.0)
 
     def highest_rate_within(self, ttft_s: float, e2e_s: float | None = None) -> float | None:
-        """The highest rate (per replica) at which P99 TTFT (and P99 E2E) stay within the
-        limits, on the curve's interpolation; None if even its lowest point misses them."""
+        """The highest rate (per replica) up to which P99 TTFT (and P99 E2E) stay within the
+        limits, on the curve's interpolation; None if even its lowest point misses them. A noisy
+        curve may dip back under the limits past a point that missed them: the first miss counts."""
         def meets(rate: float) -> bool:
             ok = self.percentiles("ttft", rate)[2] <= ttft_s
             return bool(ok and (e2e_s is None or self.percentiles("e2e", rate)[2] <= e2e_s))
-        low, high = self._rate_list[0], self.capacity
-        if not meets(low):
+        if not meets(self._rate_list[0]):
             return None
-        if meets(high):
-            return high
+        ends = [r for r in self._rate_list if r < self.capacity] + [self.capacity]
+        missed = next((i for i, rate in enumerate(ends) if not meets(rate)), None)
+        if missed is None:
+            return self.capacity
+        low, high = (ends[missed - 1] if missed else self._rate_list[0]), ends[missed]
         for _ in range(50):
             mid = (low + high) / 2
             low, high = (mid, high) if meets(mid) else (low, mid)

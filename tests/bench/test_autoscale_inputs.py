@@ -39,6 +39,14 @@ def test_a_short_run_below_the_capacity_is_not_saturated_but_one_above_it_is() -
     assert curve.capacity == 0.31
 
 
+def test_the_slo_rate_is_below_the_first_miss_of_a_noisy_curve() -> None:
+    # P99 TTFT 100, 200 (miss at 150), then 120 ms again at 3 req/s: the limit is crossed between 1 and 2
+    curve = parse_curve([flat(1, ttft=(50, 80, 100)), flat(2, ttft=(50, 80, 200)), flat(3, ttft=(50, 80, 120)),
+                         flat(4, 3.5)])
+    assert curve.highest_rate_within(0.150) == pytest.approx(1.5)
+    assert curve.highest_rate_within(0.250) == curve.capacity == 3.5
+
+
 def test_bench_serve_output_is_read_as_it_is() -> None:
     def run(rate: float | str, served: float, ttft_p99: float) -> dict[str, Any]:
         pct = {"mean": 0.0, "p50": 0.05, "p90": 0.08, "p99": ttft_p99, "max": 1.0}
