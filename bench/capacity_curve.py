@@ -12,7 +12,9 @@ points, or `{"description": "...", "points": [...]}`. Each point is one steady l
 * optional, the server's own gauges averaged over the run (what the autoscaler's signals read):
   `kv_cache_usage` (0-1), `num_requests_waiting`, `num_requests_running`, `preemptions_per_s`.
   A gauge must be on every point or on none; a policy whose signal no point carries is skipped.
-The replica's *capacity* is the highest throughput any point completed. A point is *saturated*
+The replica's *capacity* is the highest throughput a point completed. An unbounded run sends
+every request at once, which the replica batches as Poisson arrivals never are, so once a point
+at a finite rate completed less than 95% of its rate, only those points count. A point is *saturated*
 when it was offered more than that and completed less than 95% of what it was offered: its
 latencies grew with the run's length, so only its throughput is used. A run offered less than
 the capacity that still completed less than 95% of its rate is not saturated: a finite run
@@ -148,7 +150,9 @@ def parse_curve(body: Any) -> CapacityCurve:
         if not isinstance(entry, dict):
             raise CurveError(f"point {i}: not an object")
         runs.append((_rate(entry, i), _number(entry, "request_throughput", i)))
-    capacity = max(throughput for _, throughput in runs)
+    finite = [(rate, throughput) for rate, throughput in runs if not math.isinf(rate)]
+    short = any(throughput < _SATURATED * rate for rate, throughput in finite)
+    capacity = max(throughput for _, throughput in (finite if short else runs))
     points = []
     for i, (entry, (rate, throughput)) in enumerate(zip(entries, runs, strict=True)):
         if math.isinf(rate) or (rate > capacity and throughput < _SATURATED * rate):

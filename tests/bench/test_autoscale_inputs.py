@@ -34,7 +34,9 @@ def test_the_example_curve_is_labelled_as_an_example() -> None:
 
 def test_a_short_run_below_the_capacity_is_not_saturated_but_one_above_it_is() -> None:
     # 0.1 and 0.2 req/s completed 80% of their rate: a short run's tail, as 0.3 completed more
-    curve = parse_curve([flat(0.1, 0.08), flat(0.2, 0.16), flat(0.3, 0.29), flat(0.5, 0.31)])
+    # an unbounded run's one batched burst (1.2 req/s) is no capacity under Poisson arrivals
+    curve = parse_curve([flat(0.1, 0.08), flat(0.2, 0.16), flat(0.3, 0.29), flat(0.5, 0.31),
+                         flat(0.4, 0.3) | {"request_rate": "inf", "request_throughput": 1.2}])
     assert [p.request_rate for p in curve.points] == [0.1, 0.2, 0.3]
     assert curve.capacity == 0.31
 
