@@ -33,6 +33,7 @@ def test_a_short_day_writes_json_and_a_png(tmp_path: Path, capsys: pytest.Captur
     assert static["replica_hours_vs_static"] == 1.0 and static["num_scale_events"] == 0
     assert static["max_replicas"] >= body["trace"]["peak"] / body["curve"]["slo_rate_per_replica"]
     assert all(0 <= p["slo_attainment"] <= 1 and p["replica_hours"] > 0 for p in body["policies"])
+    assert len({p["num_requests"] for p in body["policies"]}) == 1  # the same arrivals for every policy
     assert body["self_check"]["passed"] and body["self_check"]["max_error"] <= 0.10
     assert body["curve"]["description"].startswith("EXAMPLE, NOT A MEASUREMENT")
     assert len(body["timeline"]["builtin-ttftP99"]["replicas"]) == 60
