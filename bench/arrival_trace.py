@@ -41,6 +41,12 @@ class Trace:
     def peak(self) -> float:
         return float(self.rates.max())
 
+    def write_csv(self, path: Path) -> None:
+        """The `--trace FILE` format, so a built-in trace can be kept, edited and replayed."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = "".join(f"{t!r},{r!r}\n" for t, r in zip(self.times.tolist(), self.rates.tolist(), strict=True))
+        path.write_text("time_s,rate\n" + rows)
+
     def tick_rates(self, tick_s: float) -> np.ndarray:
         """The mean rate of each tick of `tick_s` seconds (the rate at its middle, exact for a
         rate linear within the tick)."""

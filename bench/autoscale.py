@@ -12,6 +12,11 @@ Compared, on the same arrivals (one seed):
   usage stays above 85%.
 Targets, unless a policy fixes its own, are each signal's value on the curve at `--headroom` times
 the highest per-replica rate that meets the SLO, so every policy aims at the same load per replica.
+A lower headroom buys slack for what a reactive policy cannot see coming (a burst, a ramp faster
+than a replica starts) with replica-hours; given several, every policy whose target follows from
+it is simulated at each (named `POLICY h0.6`), and the summary shows each policy at its best:
+the cheapest setting with at least `--slo-goal` of requests within the SLO, else the one with the
+highest share.
 
 Before the comparison the simulator checks itself: one simulated replica, offered each rate of
 the curve, must reproduce the curve's P50/P90/P99 TTFT, ITL and E2E and its throughput within 10%;
@@ -52,11 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--duration", type=positive, default=DAY_S, metavar="SECONDS",
                    help="built-in trace: the day squeezed into this long")
     g.add_argument("--bursts", type=int, default=8, help="built-in trace: bursts in the day")
+    g.add_argument("--write-trace", default=None, metavar="FILE", type=Path,
+                   help="write the trace simulated as CSV (time_s,rate), which --trace reads back")
     g = parser.add_argument_group("SLO and targets")
     g.add_argument("--slo-ttft-ms", type=positive, default=1000.0, help="a request meets the SLO within this TTFT")
     g.add_argument("--slo-e2e-ms", type=positive, default=None, help="...and, when given, within this E2E")
-    g.add_argument("--headroom", type=_fraction, default=0.8,
-                   help="targets are the signals' values at this share of the highest rate meeting the SLO")
+    g.add_argument("--headroom", type=_fraction, nargs="+", default=[0.8], metavar="SHARE",
+                   help="targets are the signals' values at this share of the highest rate meeting the SLO; "
+                        "several: each policy at each, and each shown at its best")
+    g.add_argument("--slo-goal", type=_percent, default=99.0, metavar="PERCENT",
+                   help="the share of requests within the SLO a setting must reach to count as its policy's best")
     g.add_argument("--hpa-target", type=positive, default=None, metavar="WAITING",
                    help="hpa-queue's target, requests waiting per pod (default: as the builtin's, from the curve)")
     g.add_argument("--max-replicas", type=int, default=None, help="the policies' maxReplicas (default: 2x static)")
@@ -91,14 +101,16 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"slo: even the curve's lowest rate ({curve.points[0].request_rate:g} req/s) misses "
                              f"P99 TTFT {args.slo_ttft_ms:g} ms; no fleet can meet it")
         trace = _trace(args, slo_rate)
+        if args.write_trace is not None:
+            trace.write_csv(args.write_trace)
         plan = _plan(args, curve, trace, slo_rate)
         check = self_check(curve, config, args.self_check_requests)
-    except (CurveError, TraceError, ValueError) as e:
+    except (CurveError, TraceError, ValueError, OSError) as e:
         print(f"kvpilot bench autoscale: error: {e}", file=sys.stderr)
         return 2
     from tqdm import tqdm
 
-    from kvpilot.bench.autoscale_report import print_table, write_outputs
+    from kvpilot.bench.autoscale_report import best_settings, print_best, print_table, write_outputs
 
     print(check.describe())
     ticks = math.ceil(trace.duration_s / config.tick_s)
@@ -108,14 +120,18 @@ def run(args: argparse.Namespace) -> int:
             bar.set_description(policy.name)
             results.append(simulate(curve, trace, policy, config, progress=bar.update))
     print_table(results, plan.targets, plan.skipped)
+    best = best_settings(results, plan.families, args.slo_goal / 100)
+    if len(args.headroom) > 1:
+        print_best(results, best, args.slo_goal / 100)
     if args.output:
         body = {"command": ["kvpilot", *sys.argv[1:]], "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "curve": {"file": str(args.capacity_curve), "description": curve.description,
                           "capacity": curve.capacity, "slo_rate_per_replica": slo_rate,
-                          "target_rate_per_replica": plan.target_rate},
+                          "target_rate_per_replica": plan.target_rates},
                 "trace": {"description": trace.description, "duration_s": trace.duration_s, "peak": trace.peak},
                 "config": asdict(config), "prometheus_interval_s": args.prometheus_interval,
-                "scrape_interval_s": args.scrape_interval}
+                "scrape_interval_s": args.scrape_interval, "slo_goal": args.slo_goal / 100,
+                "families": plan.families, "best": best}
         write_outputs(Path(args.output), body, check, results, plan.targets, plan.skipped)
     return 0 if check.passed else 1
 
@@ -125,50 +141,63 @@ class _Plan:
     policies: list[Policy] = field(default_factory=list)
     targets: dict[str, str] = field(default_factory=dict)  # policy -> its target, described
     skipped: dict[str, str] = field(default_factory=dict)  # policy -> why it was not simulated
-    target_rate: float = 0.0  # requests/s per replica the targets stand for
+    families: dict[str, str] = field(default_factory=dict)  # policy -> the policy it is a setting of
+    target_rates: dict[str, float] = field(default_factory=dict)  # headroom -> requests/s per replica
+
+    def add(self, family: str, policy: Policy, target: str) -> None:
+        self.policies.append(policy)
+        self.families[policy.name] = family
+        self.targets[policy.name] = target
 
 
 def _plan(args: argparse.Namespace, curve: CapacityCurve, trace: Trace, slo_rate: float) -> _Plan:
     plan = _Plan()
-    plan.target_rate = args.headroom * slo_rate
     static = max(1, math.ceil(trace.peak / slo_rate))
     max_replicas = args.max_replicas or 2 * static
-    initial = min(max_replicas, max(1, math.ceil(float(trace.rates[0]) / plan.target_rate)))
     builtin = Pipeline(args.scrape_interval, "mean")
-    plan.policies.append(Policy("static-peak", None, builtin, static))
-    plan.targets["static-peak"] = f"{static} replicas ({trace.peak:.1f} req/s / {slo_rate:.2f} per replica)"
-    targets = {}
-    for metric, gauge in _SIGNALS.items():
-        if gauge is not None and gauge not in curve.gauges:
-            plan.skipped[f"builtin-{metric}"] = f"the curve carries no {gauge}"
-            continue
-        value = curve.percentiles("ttft", plan.target_rate)[2] if gauge is None else curve.gauge(gauge, plan.target_rate)
-        if value <= 0:
-            plan.skipped[f"builtin-{metric}"] = (f"{metric} is 0 on the curve at {plan.target_rate:.2f} req/s per "
-                                                 f"replica: no target to hold")
-            continue
-        targets[metric] = value
-    if "waitingPerReplica" in targets:
-        target = args.hpa_target or targets["waitingPerReplica"]
-        spec = ScalingSpec(enabled=True, mode="hpa", metric="waitingPerReplica", target=target,
-                           max_replicas=max_replicas)
-        plan.policies.append(Policy("hpa-queue", spec, Pipeline(args.prometheus_interval, "latest"), initial))
-        plan.targets["hpa-queue"] = f"waiting {target:.3g} per pod"
-    else:
-        plan.skipped["hpa-queue"] = plan.skipped["builtin-waitingPerReplica"]
-    for metric, target in targets.items():
-        _builtin(plan, f"builtin-{metric}", metric, target, max_replicas, builtin, initial)
+    plan.add("static-peak", Policy("static-peak", None, builtin, static),
+             f"{static} replicas ({trace.peak:.1f} req/s / {slo_rate:.2f} per replica)")
+    headrooms = sorted(set(args.headroom), reverse=True)
+    for headroom in headrooms:
+        target_rate = headroom * slo_rate
+        plan.target_rates[f"{headroom:g}"] = target_rate
+        initial = min(max_replicas, max(1, math.ceil(float(trace.rates[0]) / target_rate)))
+        suffix = f" h{headroom:g}" if len(headrooms) > 1 else ""
+        targets = {}
+        for metric, gauge in _SIGNALS.items():
+            if gauge is not None and gauge not in curve.gauges:
+                plan.skipped[f"builtin-{metric}"] = f"the curve carries no {gauge}"
+                continue
+            value = curve.percentiles("ttft", target_rate)[2] if gauge is None else curve.gauge(gauge, target_rate)
+            if value <= 0:
+                plan.skipped[f"builtin-{metric}{suffix}"] = (f"{metric} is 0 on the curve at {target_rate:.2f} req/s "
+                                                             f"per replica: no target to hold")
+                continue
+            targets[metric] = value
+        if args.hpa_target is None or headroom == headrooms[0]:  # a fixed target does not follow the headroom
+            name = "hpa-queue" + (suffix if args.hpa_target is None else "")
+            if args.hpa_target is not None or "waitingPerReplica" in targets:
+                target = args.hpa_target or targets["waitingPerReplica"]
+                spec = ScalingSpec(enabled=True, mode="hpa", metric="waitingPerReplica", target=target,
+                                   max_replicas=max_replicas)
+                plan.add("hpa-queue", Policy(name, spec, Pipeline(args.prometheus_interval, "latest"),
+                                                       initial), f"waiting {target:.3g} per pod")
+            else:
+                plan.skipped[name] = plan.skipped.get(f"builtin-waitingPerReplica{suffix}",
+                                                      plan.skipped.get("builtin-waitingPerReplica", ""))
+        for metric, target in targets.items():
+            _builtin(plan, f"builtin-{metric}", suffix, metric, target, max_replicas, builtin, initial)
     if "kv_cache_usage" in curve.gauges:
-        _builtin(plan, f"builtin-kvCacheUsage@{ARTICLE_KV_TARGET:g}", "kvCacheUsage", ARTICLE_KV_TARGET,
+        initial = min(max_replicas, max(1, math.ceil(float(trace.rates[0]) / (headrooms[0] * slo_rate))))
+        _builtin(plan, f"builtin-kvCacheUsage@{ARTICLE_KV_TARGET:g}", "", "kvCacheUsage", ARTICLE_KV_TARGET,
                  max_replicas, builtin, initial)
     return plan
 
 
-def _builtin(plan: _Plan, name: str, metric: str, target: float, max_replicas: int, pipeline: Pipeline,
-             initial: int) -> None:
+def _builtin(plan: _Plan, family: str, suffix: str, metric: str, target: float, max_replicas: int,
+             pipeline: Pipeline, initial: int) -> None:
     spec = ScalingSpec(enabled=True, metric=metric, target=target, max_replicas=max_replicas)  # type: ignore[arg-type]
-    plan.policies.append(Policy(name, spec, pipeline, initial))
-    plan.targets[name] = f"{metric} {target:.3g}"
+    plan.add(family, Policy(family + suffix, spec, pipeline, initial), f"{metric} {target:.3g}")
 
 
 def _trace(args: argparse.Namespace, slo_rate: float) -> Trace:
@@ -177,6 +206,13 @@ def _trace(args: argparse.Namespace, slo_rate: float) -> Trace:
     if args.bursts < 0:
         raise ValueError(f"bursts: must be >= 0, not {args.bursts}")
     return day_trace(args.peak_rate or 8 * slo_rate, args.duration, bursts=args.bursts, seed=args.seed)
+
+
+def _percent(text: str) -> float:
+    value = positive(text)
+    if value > 100:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 100], not {text!r}")
+    return value
 
 
 def _fraction(text: str) -> float:

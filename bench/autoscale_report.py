@@ -37,6 +37,38 @@ def print_table(results: Sequence[FleetResult], targets: Mapping[str, str], skip
         print(f"{name}: not simulated: {why}")
 
 
+def best_settings(results: Sequence[FleetResult], families: Mapping[str, str], goal: float) -> dict[str, str]:
+    """Each policy's best setting, by family: the fewest replica-hours among those with at least
+    `goal` of requests within the SLO, else the highest share."""
+    best: dict[str, FleetResult] = {}
+    for r in results:
+        family = families.get(r.policy, r.policy)
+        held = best.get(family)
+        if held is None or _better(r, held, goal):
+            best[family] = r
+    return {family: r.policy for family, r in best.items()}
+
+
+def _better(r: FleetResult, than: FleetResult, goal: float) -> bool:
+    if (r.slo_attainment >= goal) != (than.slo_attainment >= goal):
+        return r.slo_attainment >= goal
+    if r.slo_attainment >= goal:
+        return r.replica_hours < than.replica_hours
+    return r.slo_attainment > than.slo_attainment
+
+
+def print_best(results: Sequence[FleetResult], best: Mapping[str, str], goal: float) -> None:
+    by_name = {r.policy: r for r in results}
+    static = by_name.get(STATIC)
+    print(f"\neach policy at its best (the fewest replica-hours with >= {goal:.0%} within the SLO, else the highest share):")
+    width = max(len(f) for f in best)
+    for family, name in best.items():
+        r = by_name[name]
+        ratio = f"{r.replica_hours / static.replica_hours:.1%}" if static and static.replica_hours else ""
+        mark = "" if r.slo_attainment >= goal else f"  (none reached {goal:.0%})"
+        print(f"{family:<{width}}  {r.slo_attainment:>8.2%}  {r.replica_hours:>9.1f}  {ratio:>9}  {name}{mark}")
+
+
 def write_outputs(path: Path, body: dict[str, Any], check: SelfCheck, results: Sequence[FleetResult],
                   targets: Mapping[str, str], skipped: Mapping[str, str]) -> None:
     body = {**body,
@@ -50,22 +82,26 @@ def write_outputs(path: Path, body: dict[str, Any], check: SelfCheck, results: S
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(body, indent=1) + "\n")
     png = path.with_suffix(".png")
-    plot(png, check, results, body["curve"]["slo_rate_per_replica"])
+    best = set(body.get("best", {}).values())
+    plot(png, check, results, body["curve"]["slo_rate_per_replica"],
+         [r for r in results if r.policy in best] if best else list(results))
     print(f"wrote {path} and {png}")
 
 
-def plot(path: Path, check: SelfCheck, results: Sequence[FleetResult], slo_rate: float) -> None:
-    """Each policy's replicas over the trace against the replicas the arrival rate needs at the
-    SLO; SLO attainment against replica-hours; the self-check's TTFT, simulated against measured."""
+def plot(path: Path, check: SelfCheck, results: Sequence[FleetResult], slo_rate: float,
+         timelines: Sequence[FleetResult]) -> None:
+    """The replicas of each of `timelines` over the trace against the replicas the arrival rate
+    needs at the SLO; SLO attainment against replica-hours of every result; the self-check's
+    TTFT, simulated against measured."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(15, 4 + 1.3 * len(results)), constrained_layout=True)
-    grid = fig.add_gridspec(len(results) + 3, 2)
+    fig = plt.figure(figsize=(15, 4 + 1.3 * len(timelines)), constrained_layout=True)
+    grid = fig.add_gridspec(len(timelines) + 3, 2)
     needed = [t[1] / slo_rate for t in results[0].timeline]
-    for i, r in enumerate(results):
+    for i, r in enumerate(timelines):
         ax = fig.add_subplot(grid[i, :])
         hours = [t[0] / 3600 for t in r.timeline]
         ax.plot(hours, needed, color="0.6", linewidth=0.8, label="rate / SLO rate per replica")
@@ -76,9 +112,9 @@ def plot(path: Path, check: SelfCheck, results: Sequence[FleetResult], slo_rate:
         ax.tick_params(labelsize=8)
         if i == 0:
             ax.legend(fontsize=7, loc="upper left")
-        if i == len(results) - 1:
+        if i == len(timelines) - 1:
             ax.set_xlabel("hours")
-    ax = fig.add_subplot(grid[len(results):, 0])
+    ax = fig.add_subplot(grid[len(timelines):, 0])
     for i, r in enumerate(results):
         ax.scatter(r.replica_hours, 100 * r.slo_attainment, s=40, color=f"C{i}")
         ax.annotate(r.policy, (r.replica_hours, 100 * r.slo_attainment), textcoords="offset points", xytext=(4, 4),
@@ -89,7 +125,7 @@ def plot(path: Path, check: SelfCheck, results: Sequence[FleetResult], slo_rate:
     ax.set_title("SLO attainment against cost")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    ax = fig.add_subplot(grid[len(results):, 1])
+    ax = fig.add_subplot(grid[len(timelines):, 1])
     rates = [r.request_rate for r in check.rows]
     for key, style in (("ttft_p50", "o"), ("ttft_p99", "^")):
         line, = ax.plot(rates, [1e3 * r.measured[key] for r in check.rows], f"{style}-", label=f"{key} measured")

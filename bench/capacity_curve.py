@@ -12,8 +12,16 @@ points, or `{"description": "...", "points": [...]}`. Each point is one steady l
 * optional, the server's own gauges averaged over the run (what the autoscaler's signals read):
   `kv_cache_usage` (0-1), `num_requests_waiting`, `num_requests_running`, `preemptions_per_s`.
   A gauge must be on every point or on none; a policy whose signal no point carries is skipped.
-A point is *saturated* when it completed less than 95% of what it was offered: its latencies
-grew with the run's length, so only its throughput is used (as the replica's capacity).
+The replica's *capacity* is the highest throughput a point completed. An unbounded run sends
+every request at once, which the replica batches as Poisson arrivals never are, so once a point
+at a finite rate completed less than 95% of its rate, only those points count. A point is *saturated*
+when it was offered more than that and completed less than 95% of what it was offered: its
+latencies grew with the run's length, so only its throughput is used. A run offered less than
+the capacity that still completed less than 95% of its rate is not saturated: a finite run
+comes short by its last requests' latency (a run of 24 requests, each taking a tenth of the run,
+completes about 10% below its rate however idle the server) and by the randomness of its
+Poisson arrivals (±20% in the span of 24 arrivals); a steady overload would have shown in the
+capacity itself.
 
 Between points every percentile is interpolated linearly in the rate; past the last unsaturated
 point the last segment is extended, up to the capacity, past which the simulator queues.
@@ -78,16 +86,19 @@ class CapacityCurve:
         return min(max(value, 0.0), 1.0) if name == "kv_cache_usage" else max(value, 0.0)
 
     def highest_rate_within(self, ttft_s: float, e2e_s: float | None = None) -> float | None:
-        """The highest rate (per replica) at which P99 TTFT (and P99 E2E) stay within the
-        limits, on the curve's interpolation; None if even its lowest point misses them."""
+        """The highest rate (per replica) up to which P99 TTFT (and P99 E2E) stay within the
+        limits, on the curve's interpolation; None if even its lowest point misses them. A noisy
+        curve may dip back under the limits past a point that missed them: the first miss counts."""
         def meets(rate: float) -> bool:
             ok = self.percentiles("ttft", rate)[2] <= ttft_s
             return bool(ok and (e2e_s is None or self.percentiles("e2e", rate)[2] <= e2e_s))
-        low, high = self._rate_list[0], self.capacity
-        if not meets(low):
+        if not meets(self._rate_list[0]):
             return None
-        if meets(high):
-            return high
+        ends = [r for r in self._rate_list if r < self.capacity] + [self.capacity]
+        missed = next((i for i, rate in enumerate(ends) if not meets(rate)), None)
+        if missed is None:
+            return self.capacity
+        low, high = (ends[missed - 1] if missed else self._rate_list[0]), ends[missed]
         for _ in range(50):
             mid = (low + high) / 2
             low, high = (mid, high) if meets(mid) else (low, mid)
@@ -134,13 +145,17 @@ def parse_curve(body: Any) -> CapacityCurve:
         entries = body
     if not isinstance(entries, list) or not entries:
         raise CurveError("expected a list of points (or an object with 'points' or 'runs')")
-    points, capacity = [], 0.0
+    runs = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise CurveError(f"point {i}: not an object")
-        rate, throughput = _rate(entry, i), _number(entry, "request_throughput", i)
-        capacity = max(capacity, throughput)
-        if math.isinf(rate) or throughput < _SATURATED * rate:
+        runs.append((_rate(entry, i), _number(entry, "request_throughput", i)))
+    finite = [(rate, throughput) for rate, throughput in runs if not math.isinf(rate)]
+    short = any(throughput < _SATURATED * rate for rate, throughput in finite)
+    capacity = max(throughput for _, throughput in (finite if short else runs))
+    points = []
+    for i, (entry, (rate, throughput)) in enumerate(zip(entries, runs, strict=True)):
+        if math.isinf(rate) or (rate > capacity and throughput < _SATURATED * rate):
             continue
         latency = {k: _percentiles(entry, k, i) for k in LATENCIES}
         gauges = {g: _number(entry, g, i) for g in GAUGES if entry.get(g) is not None}

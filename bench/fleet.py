@@ -154,6 +154,8 @@ class _Simulation:
         self.record = record_latencies
         self.progress = progress
         self.rng = np.random.default_rng(config.seed)
+        # arrivals from a stream of their own, so every policy is offered the very same requests
+        self.arrivals = np.random.default_rng([config.seed, 1])
         self.result = FleetResult(policy.name)
         self.replicas: list[_Replica] = []
         self.state = ScalerState()
@@ -201,7 +203,7 @@ class _Simulation:
 
     def _serve(self, now: float, rate: float, minute: list[float]) -> None:
         tick, cap = self.config.tick_s, self.curve.capacity
-        arrivals = int(self.rng.poisson(rate * tick))
+        arrivals = int(self.arrivals.poisson(rate * tick))
         self.result.num_requests += arrivals
         minute[0] += arrivals
         minute[2] += rate

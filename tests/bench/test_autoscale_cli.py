@@ -33,6 +33,7 @@ def test_a_short_day_writes_json_and_a_png(tmp_path: Path, capsys: pytest.Captur
     assert static["replica_hours_vs_static"] == 1.0 and static["num_scale_events"] == 0
     assert static["max_replicas"] >= body["trace"]["peak"] / body["curve"]["slo_rate_per_replica"]
     assert all(0 <= p["slo_attainment"] <= 1 and p["replica_hours"] > 0 for p in body["policies"])
+    assert len({p["num_requests"] for p in body["policies"]}) == 1  # the same arrivals for every policy
     assert body["self_check"]["passed"] and body["self_check"]["max_error"] <= 0.10
     assert body["curve"]["description"].startswith("EXAMPLE, NOT A MEASUREMENT")
     assert len(body["timeline"]["builtin-ttftP99"]["replicas"]) == 60
@@ -51,6 +52,45 @@ def test_a_trace_file_replaces_the_built_in_day_and_the_hpa_target_can_be_set(tm
     table = capsys.readouterr().out
     assert "static-peak" in table and "3 replicas (30.0 req/s / 10.29 per replica)" in table
     assert "waiting 5 per pod" in table
+
+
+def test_several_headrooms_simulate_each_policy_at_each_and_show_each_at_its_best(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "autoscale.json"
+    args = parse("--capacity-curve", str(EXAMPLE), "--duration", "3600", "--peak-rate", "40",
+                 "--self-check-requests", "2000", "--headroom", "0.6", "0.8", "--output", str(out), "--disable-tqdm")
+    assert autoscale.run(args) == 0
+    body = json.loads(out.read_text())
+    policies = {p["policy"]: p for p in body["policies"]}
+    assert {"builtin-kvCacheUsage h0.8", "builtin-kvCacheUsage h0.6", "hpa-queue h0.8", "hpa-queue h0.6",
+            "static-peak", "builtin-kvCacheUsage@0.85"} <= set(policies)
+    assert body["families"]["builtin-kvCacheUsage h0.6"] == "builtin-kvCacheUsage"
+    assert body["curve"]["target_rate_per_replica"] == pytest.approx({"0.8": 8.2286, "0.6": 6.1714}, rel=1e-3)
+    # a lower headroom is a lower target: kvCacheUsage on the curve at 0.6 rather than 0.8 of the SLO rate
+    def target(name: str) -> float:
+        return float(policies[name]["target"].split()[-1])
+    assert target("builtin-kvCacheUsage h0.6") < target("builtin-kvCacheUsage h0.8")
+    goal = body["slo_goal"]
+    for family, name in body["best"].items():
+        settings = [p for n, p in policies.items() if body["families"][n] == family]
+        meeting = [p for p in settings if p["slo_attainment"] >= goal]
+        chosen = min(meeting, key=lambda p: p["replica_hours"]) if meeting else \
+            max(settings, key=lambda p: p["slo_attainment"])
+        assert policies[name] == chosen, family
+    printed = capsys.readouterr().out
+    assert "each policy at its best" in printed
+
+
+def test_a_written_trace_replays_the_built_in_day_exactly(tmp_path: Path) -> None:
+    common = ("--capacity-curve", str(EXAMPLE), "--self-check-requests", "2000", "--disable-tqdm")
+    trace = tmp_path / "day.csv"
+    assert autoscale.run(parse(*common, "--duration", "1800", "--peak-rate", "40", "--write-trace", str(trace),
+                               "--output", str(tmp_path / "built-in.json"))) == 0
+    assert trace.read_text().startswith("time_s,rate\n0.0,")
+    assert autoscale.run(parse(*common, "--trace", str(trace), "--output", str(tmp_path / "file.json"))) == 0
+    built_in, replayed = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("built-in", "file"))
+    assert replayed["policies"] == built_in["policies"]
+    assert replayed["trace"]["peak"] == built_in["trace"]["peak"]
 
 
 def test_a_curve_without_gauges_compares_what_it_can(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,3 +130,6 @@ def test_bad_flags_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit):
         parse("--capacity-curve", str(EXAMPLE), "--headroom", "1.5")
     assert "must lie in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("--capacity-curve", str(EXAMPLE), "--slo-goal", "101")
+    assert "must lie in (0, 100]" in capsys.readouterr().err

@@ -32,6 +32,23 @@ def test_the_example_curve_is_labelled_as_an_example() -> None:
     assert curve.gauges == ("kv_cache_usage", "num_requests_waiting", "num_requests_running", "preemptions_per_s")
 
 
+def test_a_short_run_below_the_capacity_is_not_saturated_but_one_above_it_is() -> None:
+    # 0.1 and 0.2 req/s completed 80% of their rate: a short run's tail, as 0.3 completed more
+    # an unbounded run's one batched burst (1.2 req/s) is no capacity under Poisson arrivals
+    curve = parse_curve([flat(0.1, 0.08), flat(0.2, 0.16), flat(0.3, 0.29), flat(0.5, 0.31),
+                         flat(0.4, 0.3) | {"request_rate": "inf", "request_throughput": 1.2}])
+    assert [p.request_rate for p in curve.points] == [0.1, 0.2, 0.3]
+    assert curve.capacity == 0.31
+
+
+def test_the_slo_rate_is_below_the_first_miss_of_a_noisy_curve() -> None:
+    # P99 TTFT 100, 200 (miss at 150), then 120 ms again at 3 req/s: the limit is crossed between 1 and 2
+    curve = parse_curve([flat(1, ttft=(50, 80, 100)), flat(2, ttft=(50, 80, 200)), flat(3, ttft=(50, 80, 120)),
+                         flat(4, 3.5)])
+    assert curve.highest_rate_within(0.150) == pytest.approx(1.5)
+    assert curve.highest_rate_within(0.250) == curve.capacity == 3.5
+
+
 def test_bench_serve_output_is_read_as_it_is() -> None:
     def run(rate: float | str, served: float, ttft_p99: float) -> dict[str, Any]:
         pct = {"mean": 0.0, "p50": 0.05, "p90": 0.08, "p99": ttft_p99, "max": 1.0}

@@ -1,10 +1,11 @@
 """The real operator (kopf, its handlers, the work queue, the client layer) against a Kubernetes
 API emulated over HTTP by kmock, with what kopf needs from a real API server added in a thin
 subclass: server-set metadata (uid, resourceVersion, generation, creationTimestamp), resumable
-watches, JSON-patch `test` failures as 422, status isolation, PUT, finalizer-driven deletion and
-injectable API errors. No controllers run: the tests play the Deployment controller by writing
-Deployment status, and there is no garbage collector (tests/e2e/test_apiserver_*.py run the real
-ones). Fast and precise: exact requests and injected failures.
+watches, JSON-patch `test` failures as 422, status isolation, PUT, finalizer-driven deletion,
+graceful deletion of pods, and injectable API errors. No controllers run: the tests play the
+Deployment controller by writing Deployment status, and there is no garbage collector
+(tests/e2e/test_apiserver_*.py run the real ones). Fast and precise: exact requests and injected
+failures.
 """
 
 from __future__ import annotations
@@ -144,6 +145,13 @@ class Emulator(kmock.KubernetesScaffold):
             return aiohttp.web.json_response(await self._update(key, old, new))
         if method == "DELETE":
             old = self._get(key)
+            grace = _grace_period(request, old) if res.plural == "pods" else 0
+            if grace > 0 and not old["metadata"].get("deletionTimestamp"):
+                # A pod is deleted gracefully: marked, and removed once its kubelet deletes it again
+                # with grace 0 (after preStop and SIGTERM), as the API server's pod strategy does.
+                new = copy.deepcopy(old)
+                new["metadata"].update(deletionTimestamp=_now(), deletionGracePeriodSeconds=grace)
+                return aiohttp.web.json_response(await self._commit(key, "MODIFIED", new))
             if old["metadata"].get("finalizers"):
                 new = copy.deepcopy(old)
                 new["metadata"].setdefault("deletionTimestamp", _now())
@@ -204,7 +212,8 @@ class Emulator(kmock.KubernetesScaffold):
         essence = {k: v for k, v in new.items() if k not in ("metadata", "status")}
         if essence != {k: v for k, v in old.items() if k not in ("metadata", "status")}:
             new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
-        if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
+        if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers") \
+                and not new["metadata"].get("deletionGracePeriodSeconds"):
             await self._remove(key, new)
             return new
         return await self._commit(key, "MODIFIED", new)
@@ -264,6 +273,14 @@ def _selected(obj: dict[str, Any], selector: str | None) -> bool:
         if labels.get(key) != value:
             return False
     return True
+
+
+def _grace_period(request: kmock.Request, pod: dict[str, Any]) -> int:
+    """DeleteOptions.gracePeriodSeconds (query or body), else the pod's terminationGracePeriodSeconds."""
+    sent = request.params.get("gracePeriodSeconds")
+    if sent is None and isinstance(request.data, dict):
+        sent = request.data.get("gracePeriodSeconds")
+    return int(sent if sent is not None else pod.get("spec", {}).get("terminationGracePeriodSeconds", 30))
 
 
 def _now() -> str:
