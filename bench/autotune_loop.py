@@ -37,6 +37,7 @@ class TunerLog:
     num_holds: int = 0
     scrape_failures: int = 0
     admin_errors: list[str] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)  # every decision: time, config, signals, reason
 
     @property
     def pause_s(self) -> float:
@@ -69,6 +70,9 @@ class LiveTuner:
                 decision = decide(scraper.summaries(since=now - spec.min_dwell_s), current, spec, self.limits,
                                   now=now, last_change=last_change)
                 self.log.num_decisions += 1
+                self.log.decisions.append({
+                    "at_s": now - self.started_at, "config": _knobs(current), "reason": decision.reason,
+                    "signals": dataclasses.asdict(decision.signals) if decision.signals else None})
                 if decision.changes:
                     try:
                         applied = await admin.apply(self.endpoint, decision.changes)
