@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="waiting sequences that mean pressure (default 100, the article's; 6 with --quick)")
     g.add_argument("--queue-depth-low", type=float, default=None,
                    help="below this (and the preemption low level) pressure ends (default 50; 2 with --quick)")
+    g.add_argument("--canary-window", type=flags.positive, default=None, metavar="SECONDS",
+                   help="saturated time a configuration needs before its measured throughput steers the policy "
+                        "(the operator's canary.window; default 20; 4 with --quick)")
     g.add_argument("--preemptions-high", type=float, default=1.0, metavar="PER_S")
     g.add_argument("--preemptions-low", type=float, default=0.1, metavar="PER_S")
     g = parser.add_argument_group("output")
@@ -83,14 +86,14 @@ def _defaults(args: argparse.Namespace) -> None:
     quick = args.quick
     for name, normal, small in (("kv_tokens", 65536, 1024), ("block_sizes", [8, 16, 32], [8, 16]),
                                 ("slo", "ttft=500ms,itl=50ms", "ttft=3s,itl=1s"), ("interval", 5.0, 1.0),
-                                ("cooldown", 30.0, 4.0), ("min_dwell", 10.0, 2.0),
+                                ("cooldown", 30.0, 4.0), ("min_dwell", 10.0, 2.0), ("canary_window", 20.0, 4.0),
                                 ("queue_depth_high", 100.0, 6.0), ("queue_depth_low", 50.0, 2.0)):
         if getattr(args, name) is None:
             setattr(args, name, small if quick else normal)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpilot.operator.autotune import SloTargets, Thresholds, TuningSpec
+    from kvpilot.operator.autotune import CanarySpec, SloTargets, Thresholds, TuningSpec
 
     from .autotune_workload import DEFAULT, QUICK, WorkloadFileError, build_requests, load_phases
     from .slo import parse_slo
@@ -116,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
                                   preemptions_per_s_high=args.preemptions_high,
                                   preemptions_per_s_low=args.preemptions_low),
             slo=SloTargets(ttft_p99_s=slo.ttft_s, itl_p99_s=slo.itl_s),
-            cooldown_s=args.cooldown, min_dwell_s=args.min_dwell)
+            cooldown_s=args.cooldown, min_dwell_s=args.min_dwell,
+            canary=CanarySpec(window_s=args.canary_window, timeout_s=3 * args.canary_window))
     except ValueError as e:  # WorkloadFileError included
         message = str(e)
         if not message.startswith("--") and not isinstance(e, WorkloadFileError):
