@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-sizes", type=int, nargs="+", default=None, choices=(8, 16, 32, 64),
                    help="the grid's block sizes, also the tuner's allowed ones (default: 8 16 32; 8 16 with --quick)")
     g.add_argument("--preemption-modes", nargs="+", default=["recompute", "swap"], choices=("recompute", "swap"))
+    g.add_argument("--configs", nargs="+", default=None, metavar="BLOCK/MODE",
+                   help="the static runs, e.g. 16/recompute 16/swap 8/swap (default: every --block-sizes x "
+                        "--preemption-modes); each must lie within those, which stay the tuner's allowed values")
     g.add_argument("--slo", default=None, metavar="ttft=500ms,itl=50ms",
                    help="goodput's objective (default: ttft=500ms,itl=50ms; ttft=3s,itl=1s with --quick)")
     g.add_argument("--seed", type=int, default=0)
@@ -108,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         for b in block_sizes:
             if args.kv_tokens < b * 2:
                 raise ValueError(f"--kv-tokens: {args.kv_tokens} tokens are under two blocks of {b}")
+        statics = _static_configs(args.configs, block_sizes, modes)
         longest = max(p.max_tokens for p in phases)
         if longest > args.kv_tokens:
             raise ValueError(f"--kv-tokens: {args.kv_tokens} cannot hold the workload's longest request "
@@ -131,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         # the engine needs its cache to hold one full-length sequence; the workload needs no more
         serve_flags += ["--max-model-len", str(min(args.kv_tokens, 1 << math.ceil(math.log2(longest))))]
     timed = build_requests(phases, args.seed)
-    plans = [RunPlan(f"static b{b} {m}", b, m, False) for b in block_sizes for m in modes]
+    plans = [RunPlan(f"static b{b} {m}", b, m, False) for b, m in statics]
     calm = _calm_within(spec)
     plans.append(RunPlan("autotuner", calm[0], calm[1], True))
     from .server_process import ServerStartError
@@ -149,6 +153,20 @@ def run(args: argparse.Namespace) -> int:
         write_outputs(args.output, body)
         print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
     return 0
+
+
+def _static_configs(given: list[str] | None, block_sizes: list[int], modes: list[str]) -> list[tuple[int, str]]:
+    if given is None:
+        return [(b, m) for b in block_sizes for m in modes]
+    out = []
+    for text in given:
+        block, _, mode = text.partition("/")
+        if not block.isdigit() or int(block) not in block_sizes or mode not in modes:
+            raise ValueError(f"--configs: {text!r} is not BLOCK/MODE with BLOCK in --block-sizes {block_sizes} and "
+                             f"MODE in --preemption-modes {modes}")
+        if (int(block), mode) not in out:
+            out.append((int(block), mode))
+    return out
 
 
 def _calm_within(spec: Any) -> tuple[int, str]:
