@@ -7,7 +7,9 @@ engine ran flat out, so the tokens it got through per second are the configurati
 not the load's. *Throughput*: prompt plus generation tokens per second (a prompt counts once per
 request, so the prefill a recompute preemption repeats is not counted as work). A configuration's
 *estimate* is the duration-weighted mean throughput over every saturated window observed under it;
-it is *measured* once those windows add up to the canary's window (`canary.window_s`: the time
+its standard error comes from the spread between windows, and two estimates differ only by more
+than `canary.tolerance` and twice the noise of the difference. It is *measured* once its windows
+add up to the canary's window (`canary.window_s`: the time
 a change is given to show what it is worth). Goodput cannot be compared this way: it follows the
 offered load, which is what changed when the policy switched.
 
@@ -18,6 +20,7 @@ tuner that holds them; a change of hardware or model comes with a rollout, which
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from statistics import fmean
@@ -28,14 +31,21 @@ from .window import WindowSummary
 
 @dataclass(frozen=True)
 class Estimate:
-    tokens_per_s: float  # per pod, mean over the saturated windows
-    seconds: float  # saturated time behind it (summed over observations, the shortest pod's span)
+    tokens_per_s: float  # per pod, mean over the saturated windows weighted by their length
+    stderr: float  # of that mean, from the spread between windows; inf with one window
+    seconds: float  # saturated time behind it (summed over windows, the shortest pod's span)
     num_windows: int
+
+    def beats(self, other: Estimate, tolerance: float) -> bool:
+        """Higher by more than `tolerance` (relative) and by more than twice the noise of the
+        difference: a gap inside either counts as no difference."""
+        noise = 2 * math.hypot(self.stderr, other.stderr)
+        return self.tokens_per_s - other.tokens_per_s > max(tolerance * other.tokens_per_s, noise)
 
 
 class Outcomes:
     def __init__(self) -> None:
-        self._totals: dict[EngineTarget, tuple[float, float, int]] = {}  # tokens, seconds, windows
+        self._sums: dict[EngineTarget, tuple[float, float, float, int]] = {}  # seconds, sum w*x, sum w*x^2, windows
 
     def observe(self, summaries: Mapping[str, WindowSummary], thresholds: Thresholds, *,
                 last_change: float | None = None) -> EngineTarget | None:
@@ -56,21 +66,24 @@ class Outcomes:
         if seconds <= 0:
             return None
         rate = fmean((s.prompt_tokens_per_s + s.generation_tokens_per_s) for s in windows)
-        tokens, total, count = self._totals.get(key, (0.0, 0.0, 0))
-        self._totals[key] = (tokens + rate * seconds, total + seconds, count + 1)
+        w, sx, sxx, n = self._sums.get(key, (0.0, 0.0, 0.0, 0))
+        self._sums[key] = (w + seconds, sx + seconds * rate, sxx + seconds * rate * rate, n + 1)
         return key
 
     def estimate(self, config: EngineTarget) -> Estimate | None:
         """Whatever has been observed, measured or not."""
-        if config not in self._totals:
+        if config not in self._sums:
             return None
-        tokens, seconds, count = self._totals[config]
-        return Estimate(tokens / seconds, seconds, count)
+        w, sx, sxx, n = self._sums[config]
+        mean = sx / w
+        variance = max(0.0, sxx / w - mean * mean)
+        stderr = math.sqrt(variance / (n - 1)) if n > 1 else math.inf
+        return Estimate(mean, stderr, w, n)
 
     def measured(self, min_seconds: float) -> dict[EngineTarget, Estimate]:
         """The estimates backed by at least `min_seconds` of saturated data: what the policy uses."""
         out = {}
-        for config in self._totals:
+        for config in self._sums:
             e = self.estimate(config)
             if e is not None and e.seconds >= min_seconds:
                 out[config] = e

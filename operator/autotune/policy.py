@@ -15,7 +15,8 @@ Rules, in the order a reason lists them:
 * measured outcomes (`outcomes.py`: each configuration's throughput while saturated, once it has
   a canary window of data) overrule the two targets, which are only priors. Under pressure: the
   pressure target is tried while it is unmeasured; once measured, if it got through fewer tokens
-  per second than the best measured configuration (by more than `canary.tolerance`), the untried
+  per second than the best measured configuration (by more than `canary.tolerance` and the
+  noise between windows), the untried
   one-knob mixes of the two are tried, the one that keeps the better block size first (a mode
   change moves no KV); with nothing left to try, the service goes to the best measured
   configuration, and only if it beats the one in force by more than the tolerance: a knob whose
@@ -142,7 +143,7 @@ def _under_pressure(held: EngineTarget, pressure: EngineTarget, note: str, known
         why = "unmeasured, tried" if known else ""
         return pressure, _describe(pressure, "; ".join(n for n in (note, why) if n))
     best = max(known, key=lambda c: (known[c].tokens_per_s, c == held))
-    if known[pressure].tokens_per_s < known[best].tokens_per_s * (1 - tolerance):
+    if known[best].beats(known[pressure], tolerance):
         mixes = [EngineTarget(best.block_size, pressure.preemption_mode),
                  EngineTarget(pressure.block_size, best.preemption_mode)]
         untried = [m for m in mixes if m not in known and m not in (best, pressure)]
@@ -157,9 +158,9 @@ def _best_measured(held: EngineTarget, best: EngineTarget, known: Mapping[Engine
     if held == best:
         return held, f"{_short(held)}, the best measured ({_rate(known[held])})"
     mine = known.get(held)
-    if mine is not None and known[best].tokens_per_s <= mine.tokens_per_s * (1 + tolerance):
+    if mine is not None and not known[best].beats(mine, tolerance):
         return held, (f"{_short(held)} stays: {_short(best)} measured {_rate(known[best])} against its "
-                      f"{_rate(mine)}, within {tolerance:.0%}")
+                      f"{_rate(mine)}, within {tolerance:.0%} or the noise")
     against = f" against {_rate(mine)}" if mine is not None else ""
     return best, f"{_short(best)}, the best measured ({_rate(known[best])}{against})"
 
@@ -169,7 +170,7 @@ def _calm_choice(calm: EngineTarget, note: str, known: Mapping[EngineTarget, Est
     if calm not in known or not known:
         return calm, note
     best = max(known, key=lambda c: (known[c].tokens_per_s, c == calm))
-    if known[best].tokens_per_s <= known[calm].tokens_per_s * (1 + tolerance):
+    if not known[best].beats(known[calm], tolerance):
         return calm, note
     return best, (f"{_short(calm)} measured {_rate(known[calm])} at capacity against {_short(best)}'s "
                   f"{_rate(known[best])}")

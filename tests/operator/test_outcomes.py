@@ -6,7 +6,9 @@ measured better than the calm target."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
+import pytest
 from autotune_fixtures import summary
 
 from kvpilot.operator.autotune import (
@@ -36,7 +38,7 @@ def measured(**rates: float) -> dict[EngineTarget, Estimate]:
     out = {}
     for name, rate in rates.items():
         block, mode = name[1:].split("_")
-        out[EngineTarget(int(block), "recompute" if mode == "rec" else "swap")] = Estimate(rate, 600.0, 60)
+        out[EngineTarget(int(block), "recompute" if mode == "rec" else "swap")] = Estimate(rate, 0.0, 600.0, 60)
     return out
 
 
@@ -54,7 +56,7 @@ def test_a_saturated_span_is_counted_as_its_configurations_throughput() -> None:
     w = summary(block_size=8, mode="swap", duration_s=10.0, num_waiting_seqs=80.0, prompt_tokens_per_s=300.0,
                 generation_tokens_per_s=200.0)
     assert o.observe({"pod-0": w}, T) == B8_SWAP
-    assert o.estimate(B8_SWAP) == Estimate(500.0, 10.0, 1)
+    assert o.estimate(B8_SWAP) == Estimate(500.0, math.inf, 10.0, 1)
 
 
 def test_spans_are_weighted_by_their_length() -> None:
@@ -63,7 +65,17 @@ def test_spans_are_weighted_by_their_length() -> None:
         o.observe({"pod-0": summary(duration_s=seconds, num_waiting_seqs=80.0, prompt_tokens_per_s=rate,
                                     generation_tokens_per_s=0.0)}, T)
     e = o.estimate(B16_REC)
-    assert e is not None and e.tokens_per_s == 200.0 and e.seconds == 40.0
+    assert e is not None and e.tokens_per_s == 200.0 and e.seconds == 40.0 and e.num_windows == 2
+    assert e.stderr == pytest.approx(math.sqrt((0.75 * 100**2 + 0.25 * 500**2 - 200**2) / 1))
+
+
+def test_a_gap_inside_the_noise_between_windows_is_no_difference() -> None:
+    steady, noisy = Estimate(1000.0, 10.0, 600.0, 60), Estimate(1200.0, 100.0, 600.0, 60)
+    assert not noisy.beats(steady, 0.05)  # 200 tok/s apart, twice the noise 201
+    assert Estimate(1200.0, 20.0, 600.0, 60).beats(steady, 0.05)
+    assert not Estimate(1040.0, 0.0, 600.0, 60).beats(steady, 0.05)  # within the tolerance
+    one_window = Estimate(5000.0, math.inf, 60.0, 1)
+    assert not one_window.beats(steady, 0.05) and not steady.beats(one_window, 0.05)
 
 
 def test_an_unsaturated_span_says_nothing_about_capacity() -> None:
