@@ -5,9 +5,9 @@ Terms. *Pressure*: requests queue or sequences are preempted faster than the eng
 them; the policy then moves to `spec.pressure` (default block size 8, swap): smaller blocks waste
 less of the last block of each sequence, so more sequences fit, and swap keeps a preempted
 sequence's KV instead of computing it again. *Calm*: the rest of the time, `spec.calm` (default
-16, recompute). The service is in calm exactly when its config is the calm target; anything else
-leaves only once every signal is below its low level (hysteresis), and enters pressure once one
-is above its high level.
+16, recompute). The service is in calm exactly when its config is the calm target (or the
+configuration measurements put in its place, below); anything else leaves only once every signal
+is below its low level (hysteresis), and enters pressure once one is above its high level.
 
 Rules, in the order a reason lists them:
 * regime: queue depth or preemption rate above its high level, or P99 TTFT over its target while
