@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-sizes", type=int, nargs="+", default=None, choices=(8, 16, 32, 64),
                    help="the grid's block sizes, also the tuner's allowed ones (default: 8 16 32; 8 16 with --quick)")
     g.add_argument("--preemption-modes", nargs="+", default=["recompute", "swap"], choices=("recompute", "swap"))
+    g.add_argument("--configs", nargs="+", default=None, metavar="BLOCK/MODE",
+                   help="the static runs, e.g. 16/recompute 16/swap 8/swap (default: every --block-sizes x "
+                        "--preemption-modes); each must lie within those, which stay the tuner's allowed values")
     g.add_argument("--slo", default=None, metavar="ttft=500ms,itl=50ms",
                    help="goodput's objective (default: ttft=500ms,itl=50ms; ttft=3s,itl=1s with --quick)")
     g.add_argument("--seed", type=int, default=0)
@@ -72,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="waiting sequences that mean pressure (default 100, the article's; 6 with --quick)")
     g.add_argument("--queue-depth-low", type=float, default=None,
                    help="below this (and the preemption low level) pressure ends (default 50; 2 with --quick)")
+    g.add_argument("--canary-window", type=flags.positive, default=None, metavar="SECONDS",
+                   help="saturated time a configuration needs before its measured throughput steers the policy "
+                        "(the operator's canary.window; default 20; 4 with --quick)")
     g.add_argument("--preemptions-high", type=float, default=1.0, metavar="PER_S")
     g.add_argument("--preemptions-low", type=float, default=0.1, metavar="PER_S")
     g = parser.add_argument_group("output")
@@ -83,14 +89,14 @@ def _defaults(args: argparse.Namespace) -> None:
     quick = args.quick
     for name, normal, small in (("kv_tokens", 65536, 1024), ("block_sizes", [8, 16, 32], [8, 16]),
                                 ("slo", "ttft=500ms,itl=50ms", "ttft=3s,itl=1s"), ("interval", 5.0, 1.0),
-                                ("cooldown", 30.0, 4.0), ("min_dwell", 10.0, 2.0),
+                                ("cooldown", 30.0, 4.0), ("min_dwell", 10.0, 2.0), ("canary_window", 20.0, 4.0),
                                 ("queue_depth_high", 100.0, 6.0), ("queue_depth_low", 50.0, 2.0)):
         if getattr(args, name) is None:
             setattr(args, name, small if quick else normal)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpilot.operator.autotune import SloTargets, Thresholds, TuningSpec
+    from kvpilot.operator.autotune import CanarySpec, SloTargets, Thresholds, TuningSpec
 
     from .autotune_workload import DEFAULT, QUICK, WorkloadFileError, build_requests, load_phases
     from .slo import parse_slo
@@ -105,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         for b in block_sizes:
             if args.kv_tokens < b * 2:
                 raise ValueError(f"--kv-tokens: {args.kv_tokens} tokens are under two blocks of {b}")
+        statics = _static_configs(args.configs, block_sizes, modes)
         longest = max(p.max_tokens for p in phases)
         if longest > args.kv_tokens:
             raise ValueError(f"--kv-tokens: {args.kv_tokens} cannot hold the workload's longest request "
@@ -116,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
                                   preemptions_per_s_high=args.preemptions_high,
                                   preemptions_per_s_low=args.preemptions_low),
             slo=SloTargets(ttft_p99_s=slo.ttft_s, itl_p99_s=slo.itl_s),
-            cooldown_s=args.cooldown, min_dwell_s=args.min_dwell)
+            cooldown_s=args.cooldown, min_dwell_s=args.min_dwell,
+            canary=CanarySpec(window_s=args.canary_window, timeout_s=3 * args.canary_window))
     except ValueError as e:  # WorkloadFileError included
         message = str(e)
         if not message.startswith("--") and not isinstance(e, WorkloadFileError):
@@ -127,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         # the engine needs its cache to hold one full-length sequence; the workload needs no more
         serve_flags += ["--max-model-len", str(min(args.kv_tokens, 1 << math.ceil(math.log2(longest))))]
     timed = build_requests(phases, args.seed)
-    plans = [RunPlan(f"static b{b} {m}", b, m, False) for b in block_sizes for m in modes]
+    plans = [RunPlan(f"static b{b} {m}", b, m, False) for b, m in statics]
     calm = _calm_within(spec)
     plans.append(RunPlan("autotuner", calm[0], calm[1], True))
     from .server_process import ServerStartError
@@ -145,6 +153,20 @@ def run(args: argparse.Namespace) -> int:
         write_outputs(args.output, body)
         print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
     return 0
+
+
+def _static_configs(given: list[str] | None, block_sizes: list[int], modes: list[str]) -> list[tuple[int, str]]:
+    if given is None:
+        return [(b, m) for b in block_sizes for m in modes]
+    out = []
+    for text in given:
+        block, _, mode = text.partition("/")
+        if not block.isdigit() or int(block) not in block_sizes or mode not in modes:
+            raise ValueError(f"--configs: {text!r} is not BLOCK/MODE with BLOCK in --block-sizes {block_sizes} and "
+                             f"MODE in --preemption-modes {modes}")
+        if (int(block), mode) not in out:
+            out.append((int(block), mode))
+    return out
 
 
 def _calm_within(spec: Any) -> tuple[int, str]:

@@ -23,6 +23,7 @@ from kvpilot.operator.autotune import (
     AdminError,
     EngineLimits,
     LiveConfig,
+    Outcomes,
     PodEndpoint,
     ServiceScraper,
     TuningSpec,
@@ -37,6 +38,7 @@ class TunerLog:
     num_holds: int = 0
     scrape_failures: int = 0
     admin_errors: list[str] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)  # every decision: time, config, signals, reason
 
     @property
     def pause_s(self) -> float:
@@ -52,6 +54,7 @@ class LiveTuner:
         self.admin_token = admin_token
         self.started_at = started_at  # wall clock of the load's start: switches are timed from it
         self.log = TunerLog()
+        self.outcomes = Outcomes()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Scrape, decide, apply, until `stop` is set."""
@@ -62,13 +65,23 @@ class LiveTuner:
             admin = AdminClient(session, self.admin_token)
             current = await admin.get_config(self.endpoint)
             last_change: float | None = None
+            observed: float | None = None  # the end of the span last fed to the outcomes
             while not stop.is_set():
                 report = await scraper.scrape([self.endpoint])
                 self.log.scrape_failures += len(report.failures)
                 now = time.time()
+                if observed is not None:
+                    self.outcomes.observe(scraper.summaries(since=observed), spec.thresholds, last_change=last_change)
+                observed = now
+                measured = self.outcomes.measured(spec.canary.window_s)
                 decision = decide(scraper.summaries(since=now - spec.min_dwell_s), current, spec, self.limits,
-                                  now=now, last_change=last_change)
+                                  now=now, last_change=last_change, measured=measured)
                 self.log.num_decisions += 1
+                self.log.decisions.append({
+                    "at_s": now - self.started_at, "config": _knobs(current), "reason": decision.reason,
+                    "signals": dataclasses.asdict(decision.signals) if decision.signals else None,
+                    "measured": {f"{c.block_size}/{c.preemption_mode}": dataclasses.asdict(e)
+                                 for c, e in measured.items()}})
                 if decision.changes:
                     try:
                         applied = await admin.apply(self.endpoint, decision.changes)

@@ -44,10 +44,12 @@ def build_body(args: argparse.Namespace, phases: tuple[Phase, ...], slo: Slo, sp
         }
         tuner = run["tuner"]
         if tuner is not None:
+            for figures, (start, end) in zip(per_phase, bounds, strict=True):
+                figures.update(_tuner_in(tuner, start, end if figures is not per_phase[-1] else math.inf))
             entry["tuner"] = {"switches": tuner.switches, "num_switches": len(tuner.switches),
                               "pause_s": tuner.pause_s, "num_decisions": tuner.num_decisions,
                               "num_holds": tuner.num_holds, "scrape_failures": tuner.scrape_failures,
-                              "admin_errors": tuner.admin_errors}
+                              "admin_errors": tuner.admin_errors, "decisions": tuner.decisions}
         out_runs.append(entry)
     body = {
         "command": ["kvpilot", *sys.argv[1:]], "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -68,6 +70,16 @@ def _figures(results: list[Any], slo: Slo, seconds: float) -> dict[str, Any]:
         ("e2e_p99_s", [r.e2e_s for r in done]))}
     return {"num_requests": len(results), "completed": len(done), "failed": len(results) - len(done),
             "goodput": good / seconds, "slo_attainment": good / len(results) if results else None, **p99}
+
+
+def _tuner_in(tuner: Any, start: float, end: float) -> dict[str, Any]:
+    """What the tuner did within [start, end): its switches and their pauses, and the mean queue
+    depth and preemption rate of the windows it decided on."""
+    switches = [s for s in tuner.switches if start <= s["at_s"] < end]
+    seen = [d["signals"] for d in tuner.decisions if start <= d["at_s"] < end and d["signals"]]
+    return {"switches": len(switches), "switch_pause_s": sum(s["pause_s"] for s in switches),
+            "queue_depth": sum(g["queue_depth"] for g in seen) / len(seen) if seen else None,
+            "preemptions_per_s": sum(g["preemptions_per_s"] for g in seen) / len(seen) if seen else None}
 
 
 def _counters(points: list[tuple[float, float, float]], start: float, end: float) -> dict[str, float]:
@@ -137,6 +149,10 @@ def print_table(body: dict[str, Any]) -> None:
               f"{(tuner['num_switches'] if tuner else 0):>9}{(1e3 * tuner['pause_s'] if tuner else 0):>9.1f}  "
               + "  ".join(f"{p['goodput']:>10.3f}" for p in run["phases"]))
     for run in body["runs"]:
+        if run.get("tuner"):
+            print("  " + "; ".join(f"{p['phase']}: {p['switches']} switches, pause {1e3 * p['switch_pause_s']:.0f} ms, "
+                                   f"queue {_num(p['queue_depth'])}, preemptions {_num(p['preemptions_per_s'])}/s"
+                                   for p in run["phases"]))
         for s in (run.get("tuner") or {}).get("switches", []):
             print(f"  switch at {s['at_s']:.1f} s: block {s['from']['block_size']} {s['from']['preemption_mode']} -> "
                   f"{s['to']['block_size']} {s['to']['preemption_mode']} (pause {1e3 * s['pause_s']:.1f} ms): {s['reason']}")
@@ -155,6 +171,10 @@ def print_table(body: dict[str, Any]) -> None:
     if c.get("compared"):
         print(f"greedy outputs vs {c['against']}: {c['differing']} of {c['compared']} differ; "
               f"{c['lost']} lost by the autotuned run")
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 def _ms(seconds: float | None) -> str:

@@ -30,6 +30,7 @@ from .autotune.admin import AdminClient, AdminError
 from .autotune.canary import judge
 from .autotune.endpoint import PodEndpoint
 from .autotune.live_config import LiveConfig
+from .autotune.outcomes import Outcomes
 from .autotune.policy import decide
 from .autotune.scrape import ScrapeReport
 from .status import condition
@@ -91,6 +92,8 @@ class Tuner:
         self.pods: dict[str, tuple[int, str]] = {}
         self.condition: Manifest | None = None
         self.attempted: float | None = None  # a failed admin call: the cooldown runs from it
+        self.outcomes = Outcomes()
+        self.observed: float | None = None  # the end of the span last fed to `outcomes`
 
     def status(self) -> Manifest:
         out: Manifest = {"pods": [{"pod": p, "blockSize": b, "preemptionMode": m}
@@ -111,6 +114,10 @@ class Tuner:
         spec = self.pilot.settings.tuning
         endpoints = {e.pod: e for e in pods.endpoints if e.pod in report.samples}
         self.pods = {p: (s.settings.block_size, s.settings.preemption_mode) for p, s in report.samples.items()}
+        if self.observed is not None:
+            self.outcomes.observe(self.pilot.scraper.summaries(since=self.observed), spec.thresholds,
+                                  last_change=self.last_change)
+        self.observed = now
         if not endpoints:
             self._set(None, "AwaitingMetrics", f"no Ready pod could be scraped ({len(report.failures)} failed)")
             return
@@ -166,7 +173,8 @@ class Tuner:
             return
         last = max((t for t in (self.last_change, self.attempted) if t is not None), default=None)
         summaries = pilot.scraper.summaries(since=now - spec.min_dwell_s)
-        decision = decide(summaries, self.config, spec, pilot.settings.limits, now=now, last_change=last)
+        decision = decide(summaries, self.config, spec, pilot.settings.limits, now=now, last_change=last,
+                          measured=self.outcomes.measured(spec.canary.window_s))
         if decision.target is None:
             metrics.TUNING_DECISIONS.labels(*self._labels, "skipped").inc()
             waiting = decision.signals is None

@@ -4,6 +4,8 @@
   a per-pod `MetricWindow` of `Sample`s (`sample`, `window`); `WindowSummary` is a window's
   rates, means and histogram increases over a span.
 * `policy` — `decide`: summaries + config in force + `TuningSpec` -> `Decision`.
+* `outcomes` — `Outcomes`: each configuration's throughput while the service ran at capacity,
+  which the policy uses to keep what paid on this hardware and leave what did not.
 * `canary` — `judge`: the canary pod's window against a baseline -> promote | rollback | wait.
 * `admin` — `AdminClient`: the engine's `GET/POST /admin/config`.
 
@@ -14,6 +16,7 @@ from .admin import AdminClient, AdminError, AppliedConfig
 from .canary import CanaryJudgement, judge
 from .endpoint import PodEndpoint
 from .live_config import EngineLimits, LiveConfig
+from .outcomes import Estimate, Outcomes
 from .policy import Decision, decide
 from .sample import EngineSettings, Histogram, MetricsError, Sample, parse_metrics
 from .scrape import ScrapeFailure, ScrapeReport, ServiceScraper
@@ -23,8 +26,8 @@ from .window import MetricWindow, WindowSummary
 
 __all__ = [
     "AdminClient", "AdminError", "AppliedConfig", "CanaryJudgement", "CanarySpec", "Decision",
-    "EngineLimits", "EngineSettings", "EngineTarget", "Histogram", "KnobRange", "LiveConfig",
-    "MetricWindow", "MetricsError", "PodEndpoint", "Sample", "ScrapeFailure", "ScrapeReport",
+    "EngineLimits", "EngineSettings", "EngineTarget", "Estimate", "Histogram", "KnobRange", "LiveConfig",
+    "MetricWindow", "MetricsError", "Outcomes", "PodEndpoint", "Sample", "ScrapeFailure", "ScrapeReport",
     "ServiceScraper", "Signals", "SloTargets", "Thresholds", "TuningSpec", "WindowSummary",
     "aggregate", "decide", "judge", "parse_metrics",
 ]

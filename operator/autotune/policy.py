@@ -5,13 +5,24 @@ Terms. *Pressure*: requests queue or sequences are preempted faster than the eng
 them; the policy then moves to `spec.pressure` (default block size 8, swap): smaller blocks waste
 less of the last block of each sequence, so more sequences fit, and swap keeps a preempted
 sequence's KV instead of computing it again. *Calm*: the rest of the time, `spec.calm` (default
-16, recompute). The service is in calm exactly when its config is the calm target; anything else
-leaves only once every signal is below its low level (hysteresis), and enters pressure once one
-is above its high level.
+16, recompute). The service is in calm exactly when its config is the calm target (or the
+configuration measurements put in its place, below); anything else leaves only once every signal
+is below its low level (hysteresis), and enters pressure once one is above its high level.
 
 Rules, in the order a reason lists them:
 * regime: queue depth or preemption rate above its high level, or P99 TTFT over its target while
   requests queue, enters pressure; all below their low levels returns to calm;
+* measured outcomes (`outcomes.py`: each configuration's throughput while saturated, once it has
+  a canary window of data) overrule the two targets, which are only priors. Under pressure: the
+  pressure target is tried while it is unmeasured; once measured, if it got through fewer tokens
+  per second than the best measured configuration (by more than `canary.tolerance` and the
+  noise between windows), the untried
+  one-knob mixes of the two are tried, the one that keeps the better block size first (a mode
+  change moves no KV); with nothing left to try, the service goes to the best measured
+  configuration, and only if it beats the one in force by more than the tolerance: a knob whose
+  values measured within it does not matter here, and is left where it is. In calm: the calm
+  target, unless it measured worse than the best configuration, which then stays (calm is bound
+  by demand, not by the engine, and the next burst finds the best configuration in place);
 * preemption mode: swap only where allowed, with swap space, and (when
   `swap_min_context_tokens` is set) for contexts long enough that copying beats prefilling again;
 * max_num_seqs (when the spec gives a range): doubled when it, not memory, binds (a queue, KV
@@ -32,6 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .live_config import EngineLimits, LiveConfig
+from .outcomes import Estimate
 from .signals import Signals, aggregate
 from .tuning_spec import EngineTarget, Thresholds, TuningSpec
 from .window import WindowSummary
@@ -55,9 +67,12 @@ class Decision:
 
 
 def decide(summaries: Mapping[str, WindowSummary], current: LiveConfig, spec: TuningSpec,
-           limits: EngineLimits, *, now: float, last_change: float | None) -> Decision:
+           limits: EngineLimits, *, now: float, last_change: float | None,
+           measured: Mapping[EngineTarget, Estimate] | None = None) -> Decision:
     """`summaries`: each Ready pod's window over (now - spec.min_dwell_s, now], by pod name.
-    `last_change`: when the config in force was applied (or rolled back to); None if never."""
+    `last_change`: when the config in force was applied (or rolled back to); None if never.
+    `measured`: `Outcomes.measured()`, the configurations' throughput at capacity; none: the
+    targets alone decide."""
     if last_change is not None and now - last_change < spec.cooldown_s:
         return Decision(current, None, f"cooldown: {now - last_change:.0f} s since the last change, "
                                        f"{spec.cooldown_s:g} s required", None)
@@ -66,7 +81,7 @@ def decide(summaries: Mapping[str, WindowSummary], current: LiveConfig, spec: Tu
         why = "; ".join(left_out) if left_out else "no pod has been scraped"
         return Decision(current, None, f"not enough data: {why}", None)
     signals = aggregate(usable, spec.slo)
-    engine, why_engine = _engine_target(signals, current, spec, limits)
+    engine, why_engine = _engine_target(signals, current, spec, limits, measured or {})
     seqs, why_seqs = _max_num_seqs(signals, current, spec)
     tokens, why_tokens = _max_num_batched_tokens(signals, current, spec, limits)
     target = dataclasses.replace(current, block_size=engine.block_size, preemption_mode=engine.preemption_mode,
@@ -94,27 +109,86 @@ def _usable(summaries: Mapping[str, WindowSummary], current: LiveConfig,
     return usable, left_out
 
 
-def _engine_target(sig: Signals, current: LiveConfig, spec: TuningSpec,
-                   limits: EngineLimits) -> tuple[EngineTarget, str]:
+def _engine_target(sig: Signals, current: LiveConfig, spec: TuningSpec, limits: EngineLimits,
+                   measured: Mapping[EngineTarget, Estimate]) -> tuple[EngineTarget, str]:
     t = spec.thresholds
-    calm, calm_note = _resolve(spec.calm, sig, spec, limits, current)
-    pressure, pressure_note = _resolve(spec.pressure, sig, spec, limits, current)
-    triggers = _pressure_triggers(sig, current, spec)
+    known = {c: e for c, e in measured.items() if _allowed(c, spec, limits)}
     held = EngineTarget(current.block_size, current.preemption_mode)
-    if held == calm:
+    calm, calm_note = _resolve(spec.calm, sig, spec, limits, current)
+    calm, calm_note = _calm_choice(calm, calm_note, known, spec.canary.tolerance)
+    triggers = _pressure_triggers(sig, current, spec)
+    below = sig.queue_depth < t.queue_depth_low and sig.preemptions_per_s < t.preemptions_per_s_low
+    band = (f"queue depth {sig.queue_depth:.1f} and preemptions {sig.preemptions_per_s:.2f}/s are not all below "
+            f"their low levels ({t.queue_depth_low:g}, {t.preemptions_per_s_low:g}/s)")
+    if not triggers and held != calm and not below and not known:
+        return held, f"{band}: block_size {held.block_size}, {held.preemption_mode} stays"
+    if triggers or (held != calm and not below):
+        pressure, pressure_note = _resolve(spec.pressure, sig, spec, limits, current)
+        target, why = _under_pressure(held, pressure, pressure_note, known, spec.canary.tolerance)
         if triggers:
-            return pressure, f"{' and '.join(triggers)}: pressure -> {_describe(pressure, pressure_note)}"
+            return target, f"{' and '.join(triggers)}: pressure -> {why}"
+        return target, f"{band}: pressure -> {why}"
+    if held == calm:
         return calm, (f"calm: queue depth {sig.queue_depth:.1f} <= {t.queue_depth_high:g}, "
                       f"preemptions {sig.preemptions_per_s:.2f}/s <= {t.preemptions_per_s_high:g}/s")
-    if sig.queue_depth < t.queue_depth_low and sig.preemptions_per_s < t.preemptions_per_s_low:
-        return calm, (f"queue depth {sig.queue_depth:.1f} < {t.queue_depth_low:g} and preemptions "
-                      f"{sig.preemptions_per_s:.2f}/s < {t.preemptions_per_s_low:g}/s: calm -> "
-                      f"{_describe(calm, calm_note)}")
-    if triggers:
-        return pressure, f"{' and '.join(triggers)}: pressure -> {_describe(pressure, pressure_note)}"
-    return held, (f"queue depth {sig.queue_depth:.1f} and preemptions {sig.preemptions_per_s:.2f}/s are not "
-                  f"all below their low levels ({t.queue_depth_low:g}, {t.preemptions_per_s_low:g}/s): "
-                  f"block_size {held.block_size}, {held.preemption_mode} stays")
+    return calm, (f"queue depth {sig.queue_depth:.1f} < {t.queue_depth_low:g} and preemptions "
+                  f"{sig.preemptions_per_s:.2f}/s < {t.preemptions_per_s_low:g}/s: calm -> "
+                  f"{_describe(calm, calm_note)}")
+
+
+def _under_pressure(held: EngineTarget, pressure: EngineTarget, note: str, known: Mapping[EngineTarget, Estimate],
+                    tolerance: float) -> tuple[EngineTarget, str]:
+    """Where pressure takes the service: see the module docstring's "measured outcomes"."""
+    if pressure not in known:
+        why = "unmeasured, tried" if known else ""
+        return pressure, _describe(pressure, "; ".join(n for n in (note, why) if n))
+    best = max(known, key=lambda c: (known[c].tokens_per_s, c == held))
+    if known[best].beats(known[pressure], tolerance):
+        mixes = [EngineTarget(best.block_size, pressure.preemption_mode),
+                 EngineTarget(pressure.block_size, best.preemption_mode)]
+        untried = [m for m in mixes if m not in known and m not in (best, pressure)]
+        if untried:
+            return untried[0], (f"{_describe(pressure, note)} measured {_rate(known[pressure])} against "
+                                f"{_short(best)} {_rate(known[best])}: trying {_short(untried[0])}")
+    return _best_measured(held, best, known, tolerance)
+
+
+def _best_measured(held: EngineTarget, best: EngineTarget, known: Mapping[EngineTarget, Estimate],
+                   tolerance: float) -> tuple[EngineTarget, str]:
+    if held == best:
+        return held, f"{_short(held)}, the best measured ({_rate(known[held])})"
+    mine = known.get(held)
+    if mine is not None and not known[best].beats(mine, tolerance):
+        return held, (f"{_short(held)} stays: {_short(best)} measured {_rate(known[best])} against its "
+                      f"{_rate(mine)}, within {tolerance:.0%} or the noise")
+    against = f" against {_rate(mine)}" if mine is not None else ""
+    return best, f"{_short(best)}, the best measured ({_rate(known[best])}{against})"
+
+
+def _calm_choice(calm: EngineTarget, note: str, known: Mapping[EngineTarget, Estimate],
+                 tolerance: float) -> tuple[EngineTarget, str]:
+    if calm not in known or not known:
+        return calm, note
+    best = max(known, key=lambda c: (known[c].tokens_per_s, c == calm))
+    if not known[best].beats(known[calm], tolerance):
+        return calm, note
+    return best, (f"{_short(calm)} measured {_rate(known[calm])} at capacity against {_short(best)}'s "
+                  f"{_rate(known[best])}")
+
+
+def _allowed(config: EngineTarget, spec: TuningSpec, limits: EngineLimits) -> bool:
+    """A measured configuration the spec and the engine still allow (the spec may have changed)."""
+    swap_ok = config.preemption_mode != "swap" or limits.swap_space_gib > 0
+    return (config.block_size in spec.allowed_block_sizes and config.preemption_mode in spec.allowed_preemption_modes
+            and swap_ok)
+
+
+def _short(config: EngineTarget) -> str:
+    return f"{config.block_size}/{config.preemption_mode}"
+
+
+def _rate(estimate: Estimate) -> str:
+    return f"{estimate.tokens_per_s:.0f} tok/s over {estimate.seconds:.0f} s"
 
 
 def _pressure_triggers(sig: Signals, current: LiveConfig, spec: TuningSpec) -> list[str]:

@@ -41,12 +41,14 @@ def test_the_autotuner_switches_on_the_burst_and_back_after_it(tmp_path: Path,
     out = tmp_path / "autotune.json"
     args = parse("--quick", "--workload", str(workload), "--serve-args",
                  "--model tiny-llama --load-format dummy --max-num-seqs 2", "--kv-tokens", "512",
-                 "--block-sizes", "8", "16", "--preemption-modes", "recompute", "--interval", "0.5",
-                 "--cooldown", "2", "--min-dwell", "1", "--output", str(out), "--disable-tqdm")
+                 "--block-sizes", "8", "16", "--preemption-modes", "recompute", "--configs", "16/recompute",
+                 "--interval", "0.5", "--cooldown", "2", "--min-dwell", "1",
+                 # no configuration gathers a canary window of saturated data: the article's rule alone
+                 "--canary-window", "1000", "--output", str(out), "--disable-tqdm")
     assert autotune.run(args) == 0
     body = json.loads(out.read_text())
-    assert [r["name"] for r in body["runs"]] == ["static b8 recompute", "static b16 recompute", "autotuner"]
-    assert [r["num_gpu_blocks"] for r in body["runs"]] == [64, 32, 32]  # the same 512-token budget
+    assert [r["name"] for r in body["runs"]] == ["static b16 recompute", "autotuner"]  # 8/recompute: not asked for
+    assert [r["num_gpu_blocks"] for r in body["runs"]] == [32, 32]
     for run in body["runs"]:
         assert run["overall"]["failed"] == 0 and run["overall"]["completed"] == body["num_requests"]
         assert [p["phase"] for p in run["phases"]] == ["calm", "burst", "after"]
@@ -61,6 +63,9 @@ def test_the_autotuner_switches_on_the_burst_and_back_after_it(tmp_path: Path,
     assert all(s["pause_s"] > 0 for s in tuner["switches"])
     assert tuner["pause_s"] == pytest.approx(sum(s["pause_s"] for s in tuner["switches"]))
     assert tuner["admin_errors"] == [] and tuner["scrape_failures"] == 0
+    tuned_phases = next(r for r in body["runs"] if r["tuned"])["phases"]
+    assert sum(p["switches"] for p in tuned_phases) == len(tuner["switches"])
+    assert max(p["queue_depth"] or 0 for p in tuned_phases[1:]) > tuned_phases[0]["queue_depth"]
     compared = body["outputs_vs_unswitched"]
     assert compared["compared"] == body["num_requests"] and compared["differing"] == 0 and compared["lost"] == 0
     verdicts = body["verdicts"]
@@ -104,6 +109,8 @@ def test_a_bad_workload_file_names_the_phase_and_field(tmp_path: Path, text: str
     (["--slo", "ttft=soon"], "--slo"),
     (["--workload", "/no/such.yaml"], "/no/such.yaml"),
     (["--block-sizes", "12"], "--block-sizes"),
+    (["--configs", "16/fast"], "--configs"),
+    (["--configs", "32/swap"], "--configs"),  # --quick's block sizes are 8 and 16
 ])
 def test_bad_input_fails_with_one_line(flags: list[str], named: str) -> None:
     result = subprocess.run([KVPILOT, "bench", "autotune", "--quick", "--disable-tqdm", *flags], capture_output=True,

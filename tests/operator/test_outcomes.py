@@ -1,0 +1,172 @@
+"""The autotuner's memory of measured outcomes, and the policy rules that use it, on recorded
+windows: a configuration measured worse is left or not entered, untried mixes are tried in order,
+a knob that measured within the tolerance is left alone, and calm keeps a configuration that
+measured better than the calm target."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from autotune_fixtures import summary
+
+from kvpilot.operator.autotune import (
+    EngineLimits,
+    EngineTarget,
+    Estimate,
+    LiveConfig,
+    Outcomes,
+    Thresholds,
+    TuningSpec,
+    decide,
+)
+
+LIMITS = EngineLimits(swap_space_gib=4, max_model_len=2048, enable_chunked_prefill=True)
+SPEC = TuningSpec(enabled=True)  # tolerance 5%
+B16_REC, B16_SWAP = EngineTarget(16, "recompute"), EngineTarget(16, "swap")
+B8_REC, B8_SWAP = EngineTarget(8, "recompute"), EngineTarget(8, "swap")
+T = Thresholds()  # queue depth low 50, preemptions high 1/s
+
+
+def config(target: EngineTarget) -> LiveConfig:
+    return LiveConfig(target.block_size, target.preemption_mode, 256, 2048)
+
+
+def measured(**rates: float) -> dict[EngineTarget, Estimate]:
+    """`b16_swap=900.0` -> {16/swap: 900 tok/s over 600 s}."""
+    out = {}
+    for name, rate in rates.items():
+        block, mode = name[1:].split("_")
+        out[EngineTarget(int(block), "recompute" if mode == "rec" else "swap")] = Estimate(rate, 0.0, 600.0, 60)
+    return out
+
+
+def decide_on(held: EngineTarget, queue: float, known: dict[EngineTarget, Estimate], spec: TuningSpec = SPEC,
+              limits: EngineLimits = LIMITS) -> tuple[EngineTarget | None, str]:
+    window = summary(block_size=held.block_size, mode=held.preemption_mode, num_waiting_seqs=queue)
+    d = decide({"pod-0": window}, config(held), spec, limits, now=10_000.0, last_change=None, measured=known)
+    return (None if d.target is None else EngineTarget(d.target.block_size, d.target.preemption_mode)), d.reason
+
+
+# --- the memory ---
+
+def test_a_saturated_span_is_counted_as_its_configurations_throughput() -> None:
+    o = Outcomes()
+    w = summary(block_size=8, mode="swap", duration_s=10.0, num_waiting_seqs=80.0, prompt_tokens_per_s=300.0,
+                generation_tokens_per_s=200.0)
+    assert o.observe({"pod-0": w}, T) == B8_SWAP
+    assert o.estimate(B8_SWAP) == Estimate(500.0, math.inf, 10.0, 1)
+
+
+def test_spans_are_weighted_by_their_length() -> None:
+    o = Outcomes()
+    for seconds, rate in ((30.0, 100.0), (10.0, 500.0)):
+        o.observe({"pod-0": summary(duration_s=seconds, num_waiting_seqs=80.0, prompt_tokens_per_s=rate,
+                                    generation_tokens_per_s=0.0)}, T)
+    e = o.estimate(B16_REC)
+    assert e is not None and e.tokens_per_s == 200.0 and e.seconds == 40.0 and e.num_windows == 2
+    assert e.stderr == pytest.approx(math.sqrt((0.75 * 100**2 + 0.25 * 500**2 - 200**2) / 1))
+
+
+def test_a_gap_inside_the_noise_between_windows_is_no_difference() -> None:
+    steady, noisy = Estimate(1000.0, 10.0, 600.0, 60), Estimate(1200.0, 100.0, 600.0, 60)
+    assert not noisy.beats(steady, 0.05)  # 200 tok/s apart, twice the noise 201
+    assert Estimate(1200.0, 20.0, 600.0, 60).beats(steady, 0.05)
+    assert not Estimate(1040.0, 0.0, 600.0, 60).beats(steady, 0.05)  # within the tolerance
+    one_window = Estimate(5000.0, math.inf, 60.0, 1)
+    assert not one_window.beats(steady, 0.05) and not steady.beats(one_window, 0.05)
+
+
+def test_an_unsaturated_span_says_nothing_about_capacity() -> None:
+    o = Outcomes()
+    assert o.observe({"pod-0": summary(num_waiting_seqs=10.0, preemptions_per_s=0.5)}, T) is None
+    assert o.estimate(B16_REC) is None
+    assert o.observe({"pod-0": summary(num_waiting_seqs=0.0, preemptions_per_s=2.0)}, T) == B16_REC
+
+
+def test_a_queue_under_one_is_not_saturation_even_with_a_low_level_of_zero() -> None:
+    zero = Thresholds(queue_depth_low=0)
+    assert Outcomes().observe({"pod-0": summary(num_waiting_seqs=0.4)}, zero) is None
+
+
+def test_spans_across_a_switch_a_restart_or_mixed_pods_are_not_counted() -> None:
+    o, busy = Outcomes(), {"num_waiting_seqs": 80.0}
+    assert o.observe({"pod-0": summary(**busy)}, T, last_change=995.0) is None  # span starts at 940
+    assert o.observe({"pod-0": summary(settings_changed=True, **busy)}, T) is None
+    assert o.observe({"pod-0": summary(num_restarts=1, **busy)}, T) is None
+    assert o.observe({"a": summary("a", **busy), "b": summary("b", block_size=8, **busy)}, T) is None
+    assert o.estimate(B16_REC) is None and o.estimate(B8_REC) is None
+    assert o.observe({"pod-0": summary(**busy)}, T, last_change=900.0) == B16_REC
+
+
+def test_only_estimates_with_enough_saturated_time_are_measured() -> None:
+    o = Outcomes()
+    o.observe({"pod-0": summary(duration_s=20.0, num_waiting_seqs=80.0)}, T)
+    assert o.measured(30.0) == {}
+    o.observe({"pod-0": summary(duration_s=20.0, num_waiting_seqs=80.0)}, T)
+    assert set(o.measured(30.0)) == {B16_REC}
+
+
+# --- the policy with measurements ---
+
+def test_an_unmeasured_pressure_target_is_tried_as_the_article_says() -> None:
+    target, reason = decide_on(B16_REC, 300.0, measured(b16_rec=1000.0))
+    assert target == B8_SWAP and "unmeasured, tried" in reason
+
+
+def test_a_pressure_target_measured_worse_leads_to_the_mix_that_keeps_the_better_block_size() -> None:
+    target, reason = decide_on(B8_SWAP, 300.0, measured(b16_rec=1000.0, b8_swap=700.0))
+    assert target == B16_SWAP
+    assert "measured 700 tok/s over 600 s against 16/recompute 1000 tok/s" in reason and "trying 16/swap" in reason
+
+
+def test_with_every_mix_measured_pressure_goes_to_the_best_measured() -> None:
+    target, reason = decide_on(B16_SWAP, 300.0, measured(b16_rec=1000.0, b8_swap=700.0, b16_swap=1300.0))
+    assert target is None and "16/swap, the best measured (1300 tok/s" in reason
+    target, reason = decide_on(B8_SWAP, 300.0, measured(b16_rec=1000.0, b8_swap=700.0, b16_swap=1300.0))
+    assert target == B16_SWAP and "against 700 tok/s" in reason
+    # from calm, a burst goes straight to what measured best: nothing is tried again
+    assert decide_on(B16_REC, 300.0, measured(b16_rec=1000.0, b8_swap=700.0, b16_swap=1300.0))[0] == B16_SWAP
+
+
+def test_a_pressure_target_as_good_as_the_config_in_force_is_kept() -> None:
+    target, reason = decide_on(B8_SWAP, 300.0, measured(b16_rec=1000.0, b8_swap=980.0))
+    assert target is None and "8/swap stays" in reason
+
+
+def test_a_knob_that_measured_within_the_tolerance_is_left_alone() -> None:
+    # block 8 tried and within 5% of block 16: the service does not move back for it
+    known = measured(b16_rec=1000.0, b8_swap=700.0, b16_swap=1300.0, b8_rec=1320.0)
+    target, reason = decide_on(B16_SWAP, 300.0, known)
+    assert target is None and "16/swap stays: 8/recompute measured 1320 tok/s" in reason and "within 5%" in reason
+    beyond = measured(b16_rec=1000.0, b8_swap=700.0, b16_swap=1300.0, b8_rec=1400.0)
+    assert decide_on(B16_SWAP, 300.0, beyond)[0] == B8_REC
+
+
+def test_calm_keeps_a_configuration_that_measured_better_than_the_calm_target() -> None:
+    known = measured(b16_rec=1000.0, b8_swap=700.0, b16_swap=1300.0)
+    target, reason = decide_on(B16_SWAP, 0.0, known)
+    assert target is None and "calm: queue depth 0.0" in reason
+    # and from the pressure target, calm goes to it rather than to the calm target
+    target, reason = decide_on(B8_SWAP, 0.0, known)
+    assert target == B16_SWAP and "16/recompute measured 1000 tok/s over 600 s at capacity against 16/swap's 1300" in reason
+
+
+def test_calm_returns_to_its_target_when_that_is_unmeasured_or_as_good() -> None:
+    assert decide_on(B8_SWAP, 0.0, measured(b8_swap=1300.0))[0] == B16_REC
+    assert decide_on(B8_SWAP, 0.0, measured(b16_rec=1000.0, b8_swap=1030.0))[0] == B16_REC
+
+
+def test_a_measured_configuration_the_spec_no_longer_allows_is_ignored() -> None:
+    no_swap = dataclasses.replace(LIMITS, swap_space_gib=0)
+    known = measured(b16_rec=1000.0, b16_swap=5000.0)
+    assert decide_on(B16_REC, 0.0, known, limits=no_swap)[0] is None
+    assert decide_on(B16_REC, 300.0, known, limits=no_swap)[0] == B8_REC
+    only_8 = dataclasses.replace(SPEC, allowed_block_sizes=(8,))
+    assert decide_on(B8_REC, 300.0, measured(b16_swap=5000.0, b8_rec=100.0), spec=only_8)[0] == B8_SWAP
+
+
+def test_without_measurements_the_hysteresis_band_holds_whatever_is_in_force() -> None:
+    target, reason = decide_on(B8_REC, 70.0, {})
+    assert target is None and "block_size 8, recompute stays" in reason
