@@ -109,9 +109,9 @@ def measure(llm: Any, requests: list[Any], disable_tqdm: bool = True) -> dict[st
     inner = engine.step
 
     with tqdm(total=len(requests), unit="req", disable=disable_tqdm, file=sys.stderr) as bar:
-        def step() -> list[Any]:
+        def step(finished_only: bool = False) -> list[Any]:
             context = sum(seq.num_tokens for seq in engine.scheduler.running)
-            outputs = inner()
+            outputs = inner(finished_only=finished_only)
             stats = engine.last_step
             if stats is not None and stats.num_batched_tokens == stats.num_generation_tokens and stats.num_prompt_tokens == 0:
                 decode_steps[stats.num_generation_tokens].append((stats.duration_s, context))
