@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvpilot.bench.arrival_trace import Trace
 from kvpilot.bench import fleet
+from kvpilot.bench.arrival_trace import Trace
 from kvpilot.bench.capacity_curve import LATENCIES, PERCENTILES, CapacityCurve, CurvePoint
 from kvpilot.bench.fleet import Pipeline, Policy, SimConfig, simulate
 
