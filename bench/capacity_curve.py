@@ -211,7 +211,7 @@ def _saturated(entries: list[dict[str, Any]], runs: list[tuple[float, float]]) -
         waiting = entries[i].get("num_requests_waiting")
         if queue_limit is not None and waiting is not None and _number(entries[i], "num_requests_waiting", i) >= queue_limit:
             saturated.add(i)
-        elif _percentiles(entries[i], "ttft", i)[0] > ttft_limit:
+        elif ttft_limit > 0 and _percentiles(entries[i], "ttft", i)[0] > ttft_limit:  # 0: no scale to judge by
             saturated.add(i)
     return saturated
 
