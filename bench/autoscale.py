@@ -19,7 +19,8 @@ the cheapest setting with at least `--slo-goal` of requests within the SLO, else
 highest share.
 
 Before the comparison the simulator checks itself: one simulated replica, offered each rate of
-the curve, must reproduce the curve's P50/P90/P99 TTFT, ITL and E2E and its throughput within 10%;
+the curve, must reproduce the curve's P50/P90/P99 TTFT, ITL and E2E (in a long steady run) and its
+throughput (in the same finite run bench serve made, `self_check.py`) within 10%;
 when it does not, the results are still shown and the command exits with 1. Results: a table, and
 with `--output FILE` JSON and a PNG beside it.
 """

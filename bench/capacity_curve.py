@@ -12,19 +12,31 @@ points, or `{"description": "...", "points": [...]}`. Each point is one steady l
 * optional, the server's own gauges averaged over the run (what the autoscaler's signals read):
   `kv_cache_usage` (0-1), `num_requests_waiting`, `num_requests_running`, `preemptions_per_s`.
   A gauge must be on every point or on none; a policy whose signal no point carries is skipped.
-The replica's *capacity* is the highest throughput a point completed. An unbounded run sends
-every request at once, which the replica batches as Poisson arrivals never are, so once a point
-at a finite rate completed less than 95% of its rate, only those points count. A point is *saturated*
-when it was offered more than that and completed less than 95% of what it was offered: its
-latencies grew with the run's length, so only its throughput is used. A run offered less than
-the capacity that still completed less than 95% of its rate is not saturated: a finite run
-comes short by its last requests' latency (a run of 24 requests, each taking a tenth of the run,
-completes about 10% below its rate however idle the server) and by the randomness of its
-Poisson arrivals (±20% in the span of 24 arrivals); a steady overload would have shown in the
-capacity itself.
+A finite run never completes its full rate, so completed/offered cannot tell saturation: a run of N
+requests lasts its arrival span plus its last requests' latency, and its span is random (a
+300-request run at 32 req/s lasts about 10 s plus a 2 s tail; one of 24 requests comes ±20% off
+its rate by its arrivals alone). A point is *saturated* when it shows what a saturated server
+shows, a queue that builds over the run instead of a first token at the unsaturated speed:
+* its mean `num_requests_waiting` reaches a quarter of the unbounded run's (when both carry it and
+  the unbounded run queued at all). A run offered λ over a capacity μ ends its arrivals with
+  N(1 - μ/λ) queued, so it holds about N(1 - μ/λ)/2 on average, against about N/2 less a batch
+  for the unbounded run: a quarter marks a rate about a third above the capacity, which a
+  server's admission delay alone (a request waiting for the next step) does not reach; or
+* its TTFT P50 is more than 10 times the lowest-rate point's: a queue's wait, not prefill, makes
+  the first token (for curves without the gauge or an unbounded run).
+A saturated point's latencies grew with the run's length, so only its throughput is used.
+The replica's *capacity*: when no finite run saturated, the unbounded run's throughput (what the
+replica completes with every request queued), but never less than the highest rate a finite run
+kept up with, which it served; when one did, the unbounded run's one batched burst (which Poisson
+arrivals never give) does not count: the highest of the kept-up rates and the saturated runs'
+throughputs. Every unsaturated point is thus at or below the capacity.
+A point from `kvpilot bench serve` also carries `num_requests` and `duration_s` (first send to
+last answer), and the file its `workload` (`seed`, `burstiness`, `max_concurrency`), from which
+the self-check replays the run's very arrivals (`bench/loadgen.py`'s `arrival_times`).
 
 Between points every percentile is interpolated linearly in the rate; past the last unsaturated
-point the last segment is extended, up to the capacity, past which the simulator queues.
+point the last segment is extended up to the capacity, past which the simulator queues, where it
+rises (a falling last segment, noise, is held at the last point: latency does not fall with load).
 Within a point, a request's latency is drawn from a distribution through the three percentiles:
 piecewise linear in -ln(1 - q) (an exponential tail between P90 and P99, extended past P99).
 """
@@ -45,7 +57,8 @@ GAUGES = ("kv_cache_usage", "num_requests_waiting", "num_requests_running", "pre
 PERCENTILES = ("p50", "p90", "p99")
 # -ln(1 - q) at the three percentiles: a request's latency is linear in it between them.
 _U = np.array([math.log(2), math.log(10), math.log(100)])
-_SATURATED = 0.95
+_QUEUE_SHARE = 0.25  # of the unbounded run's mean waiting requests
+_TTFT_FACTOR = 10.0  # times the lowest-rate point's TTFT P50
 
 
 class CurveError(ValueError):
@@ -58,15 +71,19 @@ class CurvePoint:
     throughput: float
     latency: dict[str, tuple[float, float, float]]  # LATENCIES -> (p50, p90, p99) seconds
     gauges: dict[str, float]  # the GAUGES the point carries
+    num_requests: int | None = None  # the run's requests, and first send to last answer (bench serve's)
+    duration_s: float | None = None
 
 
 class CapacityCurve:
-    def __init__(self, points: tuple[CurvePoint, ...], capacity: float, description: str) -> None:
+    def __init__(self, points: tuple[CurvePoint, ...], capacity: float, description: str,
+                 arrivals: tuple[int, float] | None = None) -> None:
         if len(points) < 2:
             raise CurveError(f"a curve needs at least two unsaturated points, not {len(points)}")
         self.points = points  # unsaturated, by rate
         self.capacity = capacity  # requests/s one replica completes at most
         self.description = description
+        self.arrivals = arrivals  # bench serve's (seed, burstiness): its runs' arrival times replay
         self.gauges = tuple(g for g in GAUGES if g in points[0].gauges)
         self._rate_list = [p.request_rate for p in points]
         self._table = {k: np.array([p.latency[k] for p in points]) for k in LATENCIES}  # (points, 3)
@@ -111,7 +128,8 @@ class CapacityCurve:
         rate = min(max(rate, rates[0]), max(self.capacity, rates[-1]))
         i = min(max(bisect.bisect_left(rates, rate) - 1, 0), len(rates) - 2)
         share = (rate - rates[i]) / (rates[i + 1] - rates[i])
-        return column[i] + share * (column[i + 1] - column[i])
+        value = column[i] + share * (column[i + 1] - column[i])
+        return np.maximum(value, column[-1]) if rate > rates[-1] else value
 
 
 def sample(percentiles: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -150,16 +168,24 @@ def parse_curve(body: Any) -> CapacityCurve:
         if not isinstance(entry, dict):
             raise CurveError(f"point {i}: not an object")
         runs.append((_rate(entry, i), _number(entry, "request_throughput", i)))
-    finite = [(rate, throughput) for rate, throughput in runs if not math.isinf(rate)]
-    short = any(throughput < _SATURATED * rate for rate, throughput in finite)
-    capacity = max(throughput for _, throughput in (finite if short else runs))
+    saturated = _saturated(entries, runs)
+    kept_up = [rate for i, (rate, _) in enumerate(runs) if not math.isinf(rate) and i not in saturated]
+    if saturated:
+        capacity = max(kept_up + [runs[i][1] for i in saturated])
+    else:
+        capacity = max(kept_up + [throughput for rate, throughput in runs if math.isinf(rate)])
     points = []
     for i, (entry, (rate, throughput)) in enumerate(zip(entries, runs, strict=True)):
-        if math.isinf(rate) or (rate > capacity and throughput < _SATURATED * rate):
+        if math.isinf(rate) or i in saturated:
             continue
         latency = {k: _percentiles(entry, k, i) for k in LATENCIES}
         gauges = {g: _number(entry, g, i) for g in GAUGES if entry.get(g) is not None}
-        points.append(CurvePoint(rate, throughput, latency, gauges))
+        num_requests = int(_number(entry, "num_requests", i)) if entry.get("num_requests") is not None else None
+        duration = _number(entry, "duration_s", i) if entry.get("duration_s") is not None else None
+        if (num_requests is None) != (duration is None) or num_requests == 0 or duration == 0:
+            raise CurveError(f"point {i} (request_rate {entry.get('request_rate')}): num_requests and duration_s "
+                             f"go together and must be positive, not {num_requests!r} and {duration!r}")
+        points.append(CurvePoint(rate, throughput, latency, gauges, num_requests, duration))
     points.sort(key=lambda p: p.request_rate)
     for g in GAUGES:
         having = [p.request_rate for p in points if g in p.gauges]
@@ -167,7 +193,40 @@ def parse_curve(body: Any) -> CapacityCurve:
             raise CurveError(f"{g}: on {len(having)} of {len(points)} unsaturated points; give it on all or none")
     if len({p.request_rate for p in points}) != len(points):
         raise CurveError("two unsaturated points have the same request_rate")
-    return CapacityCurve(tuple(points), capacity, description)
+    return CapacityCurve(tuple(points), capacity, description, _arrivals(body))
+
+
+def _saturated(entries: list[dict[str, Any]], runs: list[tuple[float, float]]) -> set[int]:
+    """The finite-rate points that show a saturated server's queue (the module's rule)."""
+    finite = [i for i, (rate, _) in enumerate(runs) if not math.isinf(rate)]
+    if not finite:
+        return set()
+    unbounded = [_number(entries[i], "num_requests_waiting", i) for i, (rate, _) in enumerate(runs)
+                 if math.isinf(rate) and entries[i].get("num_requests_waiting") is not None]
+    queue_limit = _QUEUE_SHARE * max(unbounded) if unbounded and max(unbounded) > 0 else None
+    lowest = min(finite, key=lambda i: runs[i][0])
+    ttft_limit = _TTFT_FACTOR * _percentiles(entries[lowest], "ttft", lowest)[0]
+    saturated = set()
+    for i in finite:
+        waiting = entries[i].get("num_requests_waiting")
+        if queue_limit is not None and waiting is not None and _number(entries[i], "num_requests_waiting", i) >= queue_limit:
+            saturated.add(i)
+        elif ttft_limit > 0 and _percentiles(entries[i], "ttft", i)[0] > ttft_limit:  # 0: no scale to judge by
+            saturated.add(i)
+    return saturated
+
+
+def _arrivals(body: Any) -> tuple[int, float] | None:
+    """bench serve's (seed, burstiness), when its runs' arrival times can be replayed: not under a
+    concurrency limit, which delays sends past their arrival times."""
+    workload = body.get("workload") if isinstance(body, dict) else None
+    if not isinstance(workload, dict) or workload.get("max_concurrency") is not None:
+        return None
+    seed, burstiness = workload.get("seed"), workload.get("burstiness", 1.0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or isinstance(burstiness, bool) \
+            or not isinstance(burstiness, int | float) or not burstiness > 0:
+        raise CurveError(f"workload: seed must be an integer and burstiness positive, not {seed!r} and {burstiness!r}")
+    return seed, float(burstiness)
 
 
 def _rate(entry: dict[str, Any], i: int) -> float:

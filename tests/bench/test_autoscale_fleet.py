@@ -6,15 +6,17 @@ from __future__ import annotations
 import ast
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvpilot.bench import fleet
 from kvpilot.bench.arrival_trace import Trace
-from kvpilot.bench.capacity_curve import load_curve
+from kvpilot.bench.capacity_curve import load_curve, parse_curve
 from kvpilot.bench.fleet import TTFT_BUCKETS, Pipeline, Policy, SimConfig, simulate
-from kvpilot.bench.self_check import self_check
+from kvpilot.bench.loadgen import arrival_times
+from kvpilot.bench.self_check import finite_run_throughput, self_check
 from kvpilot.operator.autoscale import ScalingSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,3 +122,41 @@ def test_a_bad_config_names_the_field() -> None:
         SimConfig(startup_s=-1)
     with pytest.raises(ValueError, match="slo_ttft_s: must be positive"):
         SimConfig(slo_ttft_s=0)
+
+
+def finite_runs(record_runs: bool) -> dict[str, Any]:
+    """A bench serve file of 50-request runs at 5 and 10 req/s whose measured durations are what
+    such runs take on a replica of these latencies: the arrivals' span (bench serve's, seed 0)
+    plus the last requests' E2E, about its P90 (1.2 s)."""
+    runs = []
+    for rate in (5.0, 10.0):
+        span = float(arrival_times(50, rate, 1.0, np.random.default_rng(0))[-1])
+        run = {"request_rate": rate, "request_throughput": 50 / (span + 1.2),
+               "ttft": {"p50": 0.05, "p90": 0.08, "p99": 0.12}, "itl": {"p50": 0.01, "p90": 0.012, "p99": 0.015},
+               "e2e": {"p50": 1.0, "p90": 1.2, "p99": 1.5}, "num_requests": 50, "duration_s": span + 1.2}
+        runs.append(run if record_runs else {k: v for k, v in run.items() if k not in ("num_requests", "duration_s")})
+    return {"workload": {"seed": 0, "burstiness": 1.0, "max_concurrency": None}, "runs": runs}
+
+
+def test_a_curve_of_finite_runs_is_checked_against_the_same_finite_runs() -> None:
+    # each run completed 66-80% of its rate, by its span and tail alone
+    check = self_check(parse_curve(finite_runs(record_runs=True)), CONFIG, requests_per_point=2000)
+    assert check.passed, check.describe()
+    # the old comparison, a steady run's offered rate against the finite run's completed/duration
+    steady_check = self_check(parse_curve(finite_runs(record_runs=False)), CONFIG, requests_per_point=2000)
+    assert not steady_check.passed and "throughput" in steady_check.describe()
+    assert steady_check.rows[1].errors["throughput"] > 0.2
+
+
+def test_the_finite_run_is_bench_serves_own_arrivals() -> None:
+    curve = parse_curve(finite_runs(record_runs=True))
+    point = curve.points[0]
+    span = float(arrival_times(50, 5.0, 1.0, np.random.default_rng(0))[-1])
+    # E2E 1.0-1.5 s at every draw: the last answer 1-1.9 s after the last send (the tail extended past P99)
+    throughput = finite_run_throughput(curve, point, 50, np.random.default_rng(1))
+    assert 50 / (span + 2.0) < throughput < 50 / (span + 1.0)
+    # other arrivals (another seed) give another span
+    other = parse_curve(finite_runs(record_runs=True) | {"workload": {"seed": 3, "burstiness": 1.0}})
+    other_span = float(arrival_times(50, 5.0, 1.0, np.random.default_rng(3))[-1])
+    assert 50 / (other_span + 2.0) < finite_run_throughput(other, other.points[0], 50, np.random.default_rng(1)) \
+        < 50 / (other_span + 1.0)

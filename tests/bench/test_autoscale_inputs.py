@@ -32,19 +32,55 @@ def test_the_example_curve_is_labelled_as_an_example() -> None:
     assert curve.gauges == ("kv_cache_usage", "num_requests_waiting", "num_requests_running", "preemptions_per_s")
 
 
-def test_a_short_run_below_the_capacity_is_not_saturated_but_one_above_it_is() -> None:
-    # 0.1 and 0.2 req/s completed 80% of their rate: a short run's tail, as 0.3 completed more
-    # an unbounded run's one batched burst (1.2 req/s) is no capacity under Poisson arrivals
-    curve = parse_curve([flat(0.1, 0.08), flat(0.2, 0.16), flat(0.3, 0.29), flat(0.5, 0.31),
-                         flat(0.4, 0.3) | {"request_rate": "inf", "request_throughput": 1.2}])
-    assert [p.request_rate for p in curve.points] == [0.1, 0.2, 0.3]
-    assert curve.capacity == 0.31
+def test_finite_runs_short_of_their_rate_with_a_short_queue_are_not_saturated() -> None:
+    # the H200 curve's shape: 300-request runs complete 72-83% of their rate by their span and tail,
+    # the queue stays under 1 while the all-at-once run holds 73 waiting. The old rule (offered more
+    # than the highest finite throughput, 23.2, and completed < 95%) dropped 24 and 32 req/s.
+    runs = [flat(8, 6.68, num_requests_waiting=0.13), flat(16, 12.83, num_requests_waiting=0.37),
+            flat(24, 18.47, ttft=(41, 59, 203), num_requests_waiting=0.47),
+            flat(32, 23.17, ttft=(51, 87, 296), num_requests_waiting=0.85),
+            flat(1, 29.51, ttft=(2147, 7841, 8217), num_requests_waiting=73.3) | {"request_rate": "inf"}]
+    curve = parse_curve(runs)
+    assert [p.request_rate for p in curve.points] == [8, 16, 24, 32]
+    # the unbounded run's 29.5 req/s, but the replica kept up with 32
+    assert curve.capacity == 32
+    assert curve.highest_rate_within(0.5) == 32
+
+
+def test_a_run_whose_queue_builds_is_saturated_and_the_burst_no_longer_counts() -> None:
+    runs = [flat(8, 6.7, num_requests_waiting=0.1), flat(16, 12.8, num_requests_waiting=0.4),
+            flat(40, 27.0, num_requests_waiting=20.0),  # a quarter of the unbounded run's 73 is 18.3
+            flat(1, 29.5, num_requests_waiting=73.0) | {"request_rate": "inf"}]
+    curve = parse_curve(runs)
+    assert [p.request_rate for p in curve.points] == [8, 16]
+    assert curve.capacity == 27.0  # the saturated run's throughput, not the burst's 29.5
+
+
+def test_without_the_gauge_a_first_token_ten_times_slower_marks_saturation() -> None:
+    curve = parse_curve([flat(1, 0.8), flat(2, 1.6, ttft=(400, 500, 900)), flat(3, 2.2, ttft=(600, 900, 1500)),
+                         flat(1, 5.0) | {"request_rate": "inf"}])
+    assert [p.request_rate for p in curve.points] == [1, 2]  # 400 ms is 8x the 50 ms at 1 req/s, 600 is 12x
+    assert curve.capacity == 2.2
+    # an unbounded run that queued nothing says nothing about the queue: the TTFT rule alone
+    curve = parse_curve([flat(1, 0.8, num_requests_waiting=0.0), flat(2, 1.6, num_requests_waiting=0.5),
+                         flat(1, 5.0, num_requests_waiting=0.0) | {"request_rate": "inf"}])
+    assert [p.request_rate for p in curve.points] == [1, 2] and curve.capacity == 5.0
+
+
+def test_bench_serve_runs_carry_what_replays_them() -> None:
+    run = flat(2, 1.8) | {"num_requests": 300, "duration_s": 166.7}
+    curve = parse_curve({"workload": {"seed": 7, "burstiness": 1.0, "max_concurrency": None},
+                         "runs": [run, flat(4, 3.6) | {"num_requests": 300, "duration_s": 83.3}]})
+    assert curve.arrivals == (7, 1.0)
+    assert (curve.points[0].num_requests, curve.points[0].duration_s) == (300, 166.7)
+    # sends held back by a concurrency limit are not at their arrival times
+    assert parse_curve({"workload": {"seed": 7, "max_concurrency": 8}, "runs": [run, flat(4)]}).arrivals is None
 
 
 def test_the_slo_rate_is_below_the_first_miss_of_a_noisy_curve() -> None:
     # P99 TTFT 100, 200 (miss at 150), then 120 ms again at 3 req/s: the limit is crossed between 1 and 2
     curve = parse_curve([flat(1, ttft=(50, 80, 100)), flat(2, ttft=(50, 80, 200)), flat(3, ttft=(50, 80, 120)),
-                         flat(4, 3.5)])
+                         flat(4, 3.5, ttft=(600, 800, 900))])  # saturated: TTFT P50 12x
     assert curve.highest_rate_within(0.150) == pytest.approx(1.5)
     assert curve.highest_rate_within(0.250) == curve.capacity == 3.5
 
@@ -62,12 +98,18 @@ def test_bench_serve_output_is_read_as_it_is() -> None:
 
 
 def test_percentiles_interpolate_in_the_rate_and_extend_to_the_capacity() -> None:
-    curve = parse_curve([flat(1, ttft=(50, 80, 100)), flat(3, ttft=(70, 120, 200)), flat(6, 4.0)])
+    curve = parse_curve([flat(1, ttft=(50, 80, 100)), flat(3, ttft=(70, 120, 200)), flat(6, 4.0, ttft=(700, 900, 1000))])
     assert curve.capacity == 4.0
     assert curve.percentiles("ttft", 2) == pytest.approx([0.06, 0.1, 0.15])
     assert curve.percentiles("ttft", 0.1) == pytest.approx([0.05, 0.08, 0.1])  # held below
     assert curve.percentiles("ttft", 4) == pytest.approx([0.08, 0.14, 0.25])  # the last segment, extended
     assert curve.percentiles("ttft", 9) == pytest.approx(curve.percentiles("ttft", 4))  # capped at capacity
+    # a last segment that falls (noise) is held at the last point past it, never extended down to 0
+    falling = parse_curve([flat(1, ttft=(70, 120, 200)), flat(3, ttft=(50, 80, 100)),
+                           flat(1, 8.0) | {"request_rate": "inf"}])
+    assert falling.capacity == 8.0
+    assert falling.percentiles("ttft", 8) == pytest.approx([0.05, 0.08, 0.1])
+    assert falling.percentiles("ttft", 2) == pytest.approx([0.06, 0.1, 0.15])
 
 
 def test_the_highest_rate_meeting_the_slo() -> None:
@@ -95,7 +137,9 @@ def test_draws_through_three_percentiles_give_them_back() -> None:
     ([flat(1), flat(0)], "point 1: request_rate must be positive, not 0"),
     ([flat(1), flat(-2)], "point 1 (request_rate -2): request_rate must be a non-negative number"),
     ([flat(1), flat(2) | {"request_throughput": "fast"}], "request_throughput must be a non-negative number"),
-    ([flat(1), flat(2, 1.0)], "at least two unsaturated points, not 1"),
+    ([flat(1), flat(2, 1.0, ttft=(600, 700, 800))], "at least two unsaturated points, not 1"),
+    ([flat(1), flat(2) | {"num_requests": 300}], "num_requests and duration_s go together"),
+    ({"workload": {"seed": "zero"}, "runs": [flat(1), flat(2)]}, "workload: seed must be an integer"),
     ([flat(1, kv_cache_usage=0.1), flat(2)], "kv_cache_usage: on 1 of 2 unsaturated points"),
     ([flat(1), flat(1)], "two unsaturated points have the same request_rate"),
 ])
