@@ -4,25 +4,17 @@ fail clearly."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_launch_host.py"
+from bench_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_launch_host", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_launch_host"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_launch_host")
 
 
 def test_engine_part_writes_a_row_per_batch_and_profiles(bench: ModuleType, tmp_path: Path,

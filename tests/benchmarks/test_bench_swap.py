@@ -4,25 +4,17 @@ arguments fail clearly."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_swap.py"
+from bench_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_swap", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_swap"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_swap")
 
 
 def test_smoke_run_writes_every_row_and_both_modes(bench: ModuleType, tmp_path: Path,
