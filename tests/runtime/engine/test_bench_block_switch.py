@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_block_switc
 def test_block_switch_benchmark_runs_tiny_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "switch.json"
     subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny-llama", "--device", "cpu", "--requests", "10",
-                    "--rate", "40", "--prompt-len", "24", "--output-len", "24", "--switch-at", "0.05", "0.1", "0.15",
+                    "--rate", "1000", "--prompt-len", "24", "--output-len", "48", "--switch-at", "0.002", "0.004", "0.006",
                     "--switch-to", "8", "64", "16", "--max-num-seqs", "8", "--output", str(out)],
                    check=True, timeout=300, capture_output=True)
     result = json.loads(out.read_text())
