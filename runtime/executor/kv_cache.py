@@ -102,17 +102,11 @@ class KVCacheLayout:
         return dataclasses.replace(self, block_size=block_size, num_blocks=self.capacity_tokens // block_size)
 
 
-def allocate(layout: KVCacheLayout, num_tokens: int, *, host: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Flat K and V storage of `num_tokens` slots for every layer, views of one allocation (K0, V0,
-    K1, ... in order): zeroed on the layout's device, or the host swap space (pinned when the
-    device is a GPU; uninitialised: only written blocks are ever read, and untouched host pages
-    cost nothing)."""
+def allocate(layout: KVCacheLayout, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Flat K and V storage of `num_tokens` slots for every layer on the layout's device, zeroed:
+    views of one allocation (K0, V0, K1, ... in order)."""
     n = num_tokens * layout.num_kv_heads * layout.head_dim
-    if host:
-        pin = torch.device(layout.device).type == "cuda"
-        storage = torch.empty(2 * layout.num_layers * n, dtype=layout.dtype, pin_memory=pin)
-    else:
-        storage = torch.zeros(2 * layout.num_layers * n, dtype=layout.dtype, device=layout.device)
+    storage = torch.zeros(2 * layout.num_layers * n, dtype=layout.dtype, device=layout.device)
     # one allocation, every tensor the same distance from the next: the swap space copies a block
     # of every layer with one strided gather over them all (swap.py's `stacked_blocks`)
     tensors = storage.view(2 * layout.num_layers, n)
