@@ -9,7 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from bench_scripts import load_script
+from file_modules import load_script
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import functools
-import importlib.util
 import json
 import sys
 from collections.abc import AsyncIterator
@@ -24,13 +23,10 @@ from typing import Any
 import aiohttp.web
 import pytest
 from autotune_fixtures import PodMetrics
+from file_modules import load_module
 from prometheus_client import REGISTRY
 
-_spec = importlib.util.spec_from_file_location("_lifecycle", Path(__file__).with_name("test_operator_lifecycle.py"))
-assert _spec is not None and _spec.loader is not None
-_lifecycle = importlib.util.module_from_spec(_spec)
-sys.modules["_lifecycle"] = _lifecycle
-_spec.loader.exec_module(_lifecycle)
+_lifecycle = load_module(Path(__file__).with_name("test_operator_lifecycle.py"), "_lifecycle")
 Cluster, cluster, eventually, operator, NS = (_lifecycle.Cluster, _lifecycle.cluster, _lifecycle.eventually,
                                              _lifecycle.operator, _lifecycle.NS)
 SELECTOR = {"app.kubernetes.io/name": "kvpilot", "serving.kvpilot.io/inferenceservice": "smol"}

@@ -35,7 +35,6 @@ import asyncio
 import base64
 import contextlib
 import functools
-import importlib.util
 import os
 import signal
 import subprocess
@@ -48,19 +47,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from file_modules import load_module
 from server_harness import free_port
 
 from kvpilot.operator.autoscale import DELETION_COST_ANNOTATION
 
-if "_lifecycle" in sys.modules:
-    _lifecycle = sys.modules["_lifecycle"]
-else:
-    _spec = importlib.util.spec_from_file_location("_lifecycle",
-                                                   Path(__file__).with_name("test_operator_lifecycle.py"))
-    assert _spec is not None and _spec.loader is not None
-    _lifecycle = importlib.util.module_from_spec(_spec)
-    sys.modules["_lifecycle"] = _lifecycle
-    _spec.loader.exec_module(_lifecycle)
+_lifecycle = load_module(Path(__file__).with_name("test_operator_lifecycle.py"), "_lifecycle")
 Cluster, cluster, eventually, operator, NS = (_lifecycle.Cluster, _lifecycle.cluster, _lifecycle.eventually,
                                              _lifecycle.operator, _lifecycle.NS)
 
