@@ -65,7 +65,8 @@ class ModelRunner:
         self._views_by_size: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.kv_caches = self._caches_for(self.block_size)
         # the swap space: the device cache's per-block layout, whole blocks across layers (swap.py)
-        self.swap_space = SwapSpace(self.kv_caches, self.layout.swap_capacity_tokens * self.layout.bytes_per_token)
+        self.swap_space = SwapSpace(self.kv_caches, self.layout.swap_capacity_tokens * self.layout.bytes_per_token,
+                                    stacked=kv_cache.stacked_view(self._kv_storage, self.layout))
         self._graph_sets = GraphsBySize()
         self._generators: dict[int, torch.Generator] = {}  # seeded sequences' own random streams
         self._capture_graphs()
@@ -232,13 +233,13 @@ class ModelRunner:
             events[0].record()
         geometry = (new.num_kv_heads, new.head_dim, new.head_major)
         with torch.inference_mode():
-            moved = kv_cache.relayout([t for kv in self._kv_storage for t in kv], plan, *geometry)
+            moved = kv_cache.relayout(self._kv_storage, plan, *geometry)
             if events is not None:
                 events[1].record()
             copied = time.perf_counter()
             self.layout = new
             self.kv_caches = self._caches_for(block_size)
-            host_moved = self.swap_space.recut(self.kv_caches, swap_moves)
+            host_moved = self.swap_space.recut(self.kv_caches, swap_moves, kv_cache.stacked_view(self._kv_storage, new))
             recut = time.perf_counter()
         self.graphs = self._graphs_for(block_size)
         return kv_cache.RelayoutCost(bytes_moved=moved, swap_bytes_moved=host_moved, wait_ms=(waited - started) * 1e3,

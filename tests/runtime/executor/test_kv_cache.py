@@ -75,6 +75,20 @@ def test_relayout_keeps_every_kept_token(state) -> None:
         assert moved == 0  # a token-major split is a re-view
 
 
+@settings(max_examples=60, deadline=None)
+@given(cache_states())
+def test_one_copy_over_every_layer_writes_what_one_copy_per_tensor_does(state) -> None:
+    # the runner's storage: every layer's K and V as rows of one allocation, each with its own contents
+    old, new, capacity, seqs, max_batch, head_major = state
+    storage = torch.randn(6, capacity * HEADS * DIM)
+    separate = [row.clone() for row in storage]  # other allocations: copied one tensor at a time
+    plan = plan_relayout(old, new, capacity // old, capacity // new, seqs, max_batch)
+    moved = kv_cache.relayout(storage, plan, HEADS, DIM, head_major)
+    assert moved == kv_cache.relayout(separate, plan, HEADS, DIM, head_major)
+    for row, flat in zip(storage, separate, strict=True):
+        assert torch.equal(row, flat)
+
+
 def test_split_is_a_review_and_merge_of_aligned_blocks_moves_nothing_token_major() -> None:
     seqs = [([4, 5, 6], 40), ([0, 1], 32)]
     plan = plan_relayout(16, 8, 8, 16, seqs, max_batch=8)
