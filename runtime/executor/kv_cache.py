@@ -25,8 +25,8 @@ import torch
 
 from kvpilot.runtime.config import BLOCK_SIZES
 
-# Temporary memory one relayout batch may use, all layers' K and V together: the plan's max_batch is
-# derived from it, so a switch needs this much headroom on the device, not a second cache.
+# Temporary memory one relayout batch may use per cache tensor (one layer's K or V): the plan's
+# max_batch is derived from it, so a switch needs this much headroom on the device, not a second cache.
 RELAYOUT_TEMP_BYTES = 256 << 20
 
 
@@ -106,8 +106,8 @@ def allocate(layout: KVCacheLayout, num_tokens: int) -> torch.Tensor:
     """Flat K and V storage of `num_tokens` slots for every layer on the layout's device, zeroed:
     one allocation, (2 * num_layers, num_tokens * num_kv_heads * head_dim), row 2i layer i's K and
     row 2i + 1 its V. Every row the same distance from the next, so one strided view covers a block
-    of all of them (`stacked_view`): the swap space and `relayout` move a block of every layer with
-    one gather or scatter instead of one per row."""
+    of all of them (`stacked_view`): the swap space moves a block of every layer with one gather or
+    scatter instead of one per row."""
     n = num_tokens * layout.num_kv_heads * layout.head_dim
     return torch.zeros(2 * layout.num_layers, n, dtype=layout.dtype, device=layout.device)
 
@@ -140,57 +140,70 @@ def stacked_view(storage: torch.Tensor, layout: KVCacheLayout) -> torch.Tensor:
 
 
 def max_batch(layout: KVCacheLayout, old_block_size: int, new_block_size: int) -> int:
-    """Writes per relayout batch within RELAYOUT_TEMP_BYTES (a write is one block of the larger
-    size in every layer's K and V, gathered once into temporary memory)."""
-    return max(1, RELAYOUT_TEMP_BYTES // (max(old_block_size, new_block_size) * layout.bytes_per_token))
+    """Writes per relayout batch within RELAYOUT_TEMP_BYTES per tensor (a write is one block of the
+    larger size, gathered once into temporary memory)."""
+    per_write = max(old_block_size, new_block_size) * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
+    return max(1, RELAYOUT_TEMP_BYTES // per_write)
 
 
 def relayout(storage: torch.Tensor | list[torch.Tensor], plan: Plan, num_kv_heads: int, head_dim: int,
              head_major: bool) -> int:
-    """Re-lay the blocks of the cache tensors, cut by `plan.old_block_size`, as `plan` says, in
-    place; returns the bytes written. `storage` is `allocate`'s (one row per layer's K or V, at
-    equal distances): each batch is then one gather and one scatter over every row at once; a list
-    of separate flat tensors is done one tensor at a time (the same copies, a pair per tensor).
+    """Re-lay the blocks of the cache tensors — `allocate`'s storage, one row per layer's K or V,
+    or a list of flat tensors — cut by `plan.old_block_size`, as `plan` says, in place; returns
+    the bytes written.
 
     Token-major blocks split by re-viewing alone, and merged blocks already in order stay;
-    everything else goes through the gather (into temporary memory) and the scatter, which reads
-    the gathered blocks through a permuted view (head-major blocks change their order of heads and
-    tokens), so each byte re-laid is read and written twice. The indices of every batch go to the
-    device in one upload; no host synchronisation: the copies are queued on the current stream,
-    ahead of the next step's kernels."""
+    everything else goes through one gather (into temporary memory) and one scatter per batch and
+    tensor, the scatter reading the gathered blocks through a permuted view (head-major blocks
+    change their order of heads and tokens), so each byte re-laid is read and written twice. The
+    copies move words of up to 8 bytes, not elements (a row of head_dim elements is never cut), and
+    the indices of every batch go to the device in one upload. One tensor at a time rather than one
+    strided view over all of them: on an H200 the copy kernels over a view of the whole cache (over
+    2^31 elements) took twice the device time and ten times the host time. No host
+    synchronisation: the copies are queued on the current stream, ahead of the next step's kernels."""
     old, new = plan.old_block_size, plan.new_block_size
     if old == new or not plan.batches or (new < old and not head_major):
         return 0  # token-major: the sub-blocks of a block are already its consecutive runs
-    stacks = [storage] if isinstance(storage, torch.Tensor) else [flat[None] for flat in storage]  # (rows, numel)
     split = new < old
     k = old // new if split else new // old
-    unit = old * num_kv_heads * head_dim  # elements of one old block
     steps = _steps(plan, k, head_major)
     if not steps:
         return 0
-    ids = _index(np.concatenate([i for gather, scatter, _ in steps for i in (gather, scatter)]), stacks[0].device)
-    h, d, n_old, n_new = num_kv_heads, head_dim, plan.num_old_blocks, plan.num_new_blocks
+    flats = list(storage)
+    words, d = _words(head_dim * flats[0].element_size())
+    unit = old * num_kv_heads * d  # words of one old block
+    ids = _index(np.concatenate([i for gather, scatter, _ in steps for i in (gather, scatter)]), flats[0].device)
+    h, n_old, n_new = num_kv_heads, plan.num_old_blocks, plan.num_new_blocks
     moved, at = 0, 0
     for gather, scatter, copied in steps:
         src_index, dst_index = ids[at:at + len(gather)], ids[at + len(gather):at + len(gather) + len(scatter)]
         at += len(gather) + len(scatter)
         n = len(scatter)
-        for stack in stacks:
-            rows = stack.shape[0]
-            old_cut = stack[:, :n_old * unit]
-            part = old_cut.view(rows, n_old, unit).index_select(1, src_index)  # (rows, blocks, unit)
+        for flat in flats:
+            units = flat.view(words)[:n_old * unit].view(n_old, unit)
+            part = units.index_select(0, src_index)  # (blocks, unit)
             if split:  # old block (heads, k, new, dim) -> k new blocks (heads, new, dim) in its own memory
-                target = old_cut.view(rows, n_old, k, h, new, d)
-                target.index_copy_(1, dst_index, part.view(rows, n, h, k, new, d).transpose(2, 3))
+                target = units.view(n_old, k, h, new, d)
+                target.index_copy_(0, dst_index, part.view(n, h, k, new, d).transpose(1, 2))
             elif head_major:  # k old blocks (heads, old, dim) -> one new block (heads, k * old, dim)
-                regions = stack[:, :n_new * k * unit].view(rows, n_new, h, k, old, d)
-                regions.index_copy_(1, dst_index, part.view(rows, n, k, h, old, d).transpose(2, 3))
+                regions = flat.view(words)[:n_new * k * unit].view(n_new, h, k, old, d)
+                regions.index_copy_(0, dst_index, part.view(n, k, h, old, d).transpose(1, 2))
             else:  # k old blocks, one after another
-                regions = stack[:, :n_new * k * unit].view(rows, n_new, k * unit)
-                regions.index_copy_(1, dst_index, part.view(rows, n, k * unit))
+                regions = flat.view(words)[:n_new * k * unit].view(n_new, k * unit)
+                regions.index_copy_(0, dst_index, part.view(n, k * unit))
             del part  # one batch's temporary memory at a time
-        moved += copied * unit * stacks[0].element_size() * sum(stack.shape[0] for stack in stacks)
+        moved += copied * unit * words.itemsize * len(flats)
     return moved
+
+
+def _words(row_bytes: int) -> tuple[torch.dtype, int]:
+    """The widest integer type that a row of `row_bytes` bytes is a whole number of, and how many:
+    the copy kernels move one element per thread, so bf16 moved as int64 takes a quarter of the
+    threads (on an H200 half the device time of a switch)."""
+    for words in (torch.int64, torch.int32, torch.int16):
+        if row_bytes % words.itemsize == 0:
+            return words, row_bytes // words.itemsize
+    return torch.uint8, row_bytes
 
 
 def _steps(plan: Plan, k: int, head_major: bool) -> list[tuple[np.ndarray, np.ndarray, int]]:

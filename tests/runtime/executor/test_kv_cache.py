@@ -76,17 +76,22 @@ def test_relayout_keeps_every_kept_token(state) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(cache_states())
-def test_one_copy_over_every_layer_writes_what_one_copy_per_tensor_does(state) -> None:
-    # the runner's storage: every layer's K and V as rows of one allocation, each with its own contents
+@given(cache_states(), st.sampled_from([(torch.float16, 4), (torch.float16, 3), (torch.bfloat16, 2)]))
+def test_rows_of_the_runner_storage_move_as_words_and_keep_every_kept_token(state, element) -> None:
+    # allocate's storage, a row per layer's K or V; its copies move int64, int16 and int32 words
     old, new, capacity, seqs, max_batch, head_major = state
-    storage = torch.randn(6, capacity * HEADS * DIM)
-    separate = [row.clone() for row in storage]  # other allocations: copied one tensor at a time
-    plan = plan_relayout(old, new, capacity // old, capacity // new, seqs, max_batch)
-    moved = kv_cache.relayout(storage, plan, HEADS, DIM, head_major)
-    assert moved == kv_cache.relayout(separate, plan, HEADS, DIM, head_major)
-    for row, flat in zip(storage, separate, strict=True):
-        assert torch.equal(row, flat)
+    dtype, dim = element
+    num_old, num_new = capacity // old, capacity // new
+    storage = torch.randn(3, capacity * HEADS * dim).to(dtype)
+    before = [kv_cache.block_view(row, num_old, old, HEADS, dim, head_major) for row in storage]
+    expected = [[tokens_of(b, t, old, n).clone() for t, n in seqs] for b in before]
+    plan = plan_relayout(old, new, num_old, num_new, seqs, max_batch)
+    kv_cache.relayout(storage, plan, HEADS, dim, head_major)
+    for row, kept in zip(storage, expected, strict=True):
+        after = kv_cache.block_view(row, num_new, new, HEADS, dim, head_major)
+        for ((_, n), table, tokens) in zip(seqs, plan.tables, kept, strict=True):
+            if table is not None:
+                assert torch.equal(tokens_of(after, table, new, n), tokens)
 
 
 def test_split_is_a_review_and_merge_of_aligned_blocks_moves_nothing_token_major() -> None:
