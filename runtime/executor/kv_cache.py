@@ -158,9 +158,9 @@ def relayout(storage: torch.Tensor | list[torch.Tensor], plan: Plan, num_kv_head
     change their order of heads and tokens), so each byte re-laid is read and written twice. The
     copies move words of up to 8 bytes, not elements (a row of head_dim elements is never cut), and
     the indices of every batch go to the device in one upload. One tensor at a time rather than one
-    strided view over all of them: on an H200 the copy kernels over a view of the whole cache (over
-    2^31 elements) took twice the device time and ten times the host time. No host
-    synchronisation: the copies are queued on the current stream, ahead of the next step's kernels."""
+    strided view over all of them: over a view of the whole cache (more than 2^31 elements) the
+    copy kernels were slower on an H200, on the device and on the host. No host synchronisation:
+    the copies are queued on the current stream, ahead of the next step's kernels."""
     old, new = plan.old_block_size, plan.new_block_size
     if old == new or not plan.batches or (new < old and not head_major):
         return 0  # token-major: the sub-blocks of a block are already its consecutive runs
@@ -199,7 +199,7 @@ def relayout(storage: torch.Tensor | list[torch.Tensor], plan: Plan, num_kv_head
 def _words(row_bytes: int) -> tuple[torch.dtype, int]:
     """The widest integer type that a row of `row_bytes` bytes is a whole number of, and how many:
     the copy kernels move one element per thread, so bf16 moved as int64 takes a quarter of the
-    threads (on an H200 half the device time of a switch)."""
+    threads (and on an H200 about half the device time)."""
     for words in (torch.int64, torch.int32, torch.int16):
         if row_bytes % words.itemsize == 0:
             return words, row_bytes // words.itemsize

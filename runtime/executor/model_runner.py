@@ -234,13 +234,14 @@ class ModelRunner:
         geometry = (new.num_kv_heads, new.head_dim, new.head_major)
         with torch.inference_mode():
             moved = kv_cache.relayout(self._kv_storage, plan, *geometry)
-            if events is not None:
-                events[1].record()
-            copied = time.perf_counter()
-            self.layout = new
-            self.kv_caches = self._caches_for(block_size)
-            host_moved = self.swap_space.recut(self.kv_caches, swap_moves, kv_cache.stacked_view(self._kv_storage, new))
-            recut = time.perf_counter()
+        if events is not None:
+            events[1].record()
+        copied = time.perf_counter()
+        # views made outside inference mode, as at start: the swap space's copies may run outside it
+        self.layout = new
+        self.kv_caches = self._caches_for(block_size)
+        host_moved = self.swap_space.recut(self.kv_caches, swap_moves, kv_cache.stacked_view(self._kv_storage, new))
+        recut = time.perf_counter()
         self.graphs = self._graphs_for(block_size)
         return kv_cache.RelayoutCost(bytes_moved=moved, swap_bytes_moved=host_moved, wait_ms=(waited - started) * 1e3,
                                      copy_ms=(copied - waited) * 1e3, swap_ms=(recut - copied) * 1e3, copies=events)
