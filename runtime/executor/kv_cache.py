@@ -95,6 +95,11 @@ class KVCacheLayout:
         return self.bytes_per_token * self.block_size
 
     @property
+    def swap_bytes(self) -> int:
+        """Host memory of the swap space: whole tokens of every layer's K and V."""
+        return self.bytes_per_token * self.swap_capacity_tokens
+
+    @property
     def num_swap_blocks(self) -> int:
         return self.swap_capacity_tokens // self.block_size
 

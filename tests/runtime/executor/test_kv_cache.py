@@ -119,6 +119,7 @@ def test_layout_counts_blocks_from_one_allocation() -> None:
     layout = KVCacheLayout(block_size=16, num_blocks=21, capacity_tokens=336, num_layers=3, num_kv_heads=2,
                            head_dim=16, dtype=torch.float32, device="cpu", head_major=False, swap_capacity_tokens=40)
     assert layout.bytes_per_block == 2 * 3 * 2 * 16 * 4 * 16 and layout.num_swap_blocks == 2
+    assert layout.swap_bytes == 40 * layout.bytes_per_token
     assert layout.with_block_size(64).num_blocks == 5 and layout.with_block_size(8).num_blocks == 42
     with pytest.raises(ValueError, match="block_size"):
         layout.with_block_size(12)
