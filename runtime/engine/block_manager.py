@@ -38,11 +38,12 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # free blocks of a fresh cut (`reconfigure`), handed out before free_block_ids, lowest id
-        # first (popped from the end): the order one OrderedDict of them would give, without
-        # building one of 100,000 entries while every request waits on the switch
-        self._fresh: list[int] = []
+        # blocks freed since the cut was made, least recently freed first (they may hold a cached prefix)
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict()
+        # free blocks of a fresh cut (here and in `reconfigure`), handed out before free_block_ids,
+        # lowest id first (popped from the end): the order one OrderedDict of them would give,
+        # without one of 100,000 entries to build, or to drop at the first block-size change
+        self._fresh: list[int] = list(range(num_blocks - 1, -1, -1))
         self.ref_counts = [0] * num_blocks
         self.block_digests: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}

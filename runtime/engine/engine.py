@@ -137,6 +137,7 @@ class LLMEngine:
         layout = self.runner.layout  # the owner of the block size and the block counts
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, layout.num_swap_blocks)
+        self._warm_up_block_switches()
         self.last_relayout: RelayoutReport | None = None
         self.requests: dict[str, Request] = {}
         self._unscheduled: set[str] = set()  # ids of the requests no step has scheduled yet
@@ -256,17 +257,30 @@ class LLMEngine:
         sequences (on the device) and swapped ones (in the swap space) are re-laid and their tables
         rewritten (engine/relayout.py plans, the runner copies); only sequences the new cut cannot
         hold are recomputed, the fewest possible."""
+        report = self._relayout(block_size)
+        logger.info("block size %d -> %d in %.1f ms (plan %.1f, wait %.1f, copy %.1f, swap %.1f, rebuild %.1f): "
+                    "%d running and %d swapped sequences kept, %.1f MiB moved, %d recomputed",
+                    report.old_block_size, block_size, report.pause_ms, report.plan_ms, report.wait_ms,
+                    report.copy_ms, report.swap_ms, report.rebuild_ms, report.num_running_kept,
+                    report.num_swapped_kept, (report.bytes_moved + report.swap_bytes_moved) / (1 << 20),
+                    len(report.preempted) + len(report.swapped_recomputed))
+        return report
+
+    def _relayout(self, block_size: int, unheld: list[tuple[list[int], int]] | None = None) -> RelayoutReport:
+        """`_change_block_size`'s work. `unheld`: more (block table, tokens) to re-lay, of blocks
+        that no sequence holds (the start-up warm-up's), planned and copied as a sequence's are."""
         started = time.perf_counter()
         sched, old = self.scheduler, self.runner.layout
         new = old.with_block_size(block_size)
         batch = kv_cache.max_batch(old, old.block_size, block_size)
         running, swapped = list(sched.running), list(sched.swapped)
         plan = plan_relayout(old.block_size, block_size, old.num_blocks, new.num_blocks,
-                             [(s.block_table, s.num_computed_tokens) for s in running], batch)
+                             [(s.block_table, s.num_computed_tokens) for s in running] + (unheld or []), batch)
         swap_plan = plan_relayout(old.block_size, block_size, old.num_swap_blocks, new.num_swap_blocks,
                                   [(s.swap_table, s.num_computed_tokens) for s in swapped], batch)
         planned = time.perf_counter()
-        dropped = [running[i] for i in plan.dropped]
+        tables = plan.tables[:len(running)]
+        dropped = [seq for seq, table in zip(running, tables, strict=True) if table is None]
         for seq in dropped:
             sched.preempt(seq)  # recompute: its blocks go back before the new cut is counted
         # the host re-cut keeps a swapped sequence's tokens wherever its new table says (swap.py)
@@ -274,7 +288,7 @@ class LLMEngine:
                       for s, t in zip(swapped, swap_plan.tables, strict=True) if t is not None]
         cost = self.runner.relayout(block_size, plan, swap_moves)  # on a GPU the copies run meanwhile
         copied = time.perf_counter()
-        for seq, table in zip(running, plan.tables, strict=True):
+        for seq, table in zip(running, tables, strict=True):
             if table is not None:
                 seq.block_table = table
         self.block_manager.reconfigure(new.num_blocks, block_size, sched.running)
@@ -282,7 +296,7 @@ class LLMEngine:
         rebuilt = time.perf_counter()
         cost.finish()
         done = time.perf_counter()
-        report = RelayoutReport(
+        return RelayoutReport(
             old_block_size=old.block_size, new_block_size=block_size,
             pause_ms=(done - started) * 1e3, bytes_moved=cost.bytes_moved, swap_bytes_moved=cost.swap_bytes_moved,
             plan_ms=(planned - started) * 1e3, wait_ms=cost.wait_ms, copy_ms=cost.copy_ms, swap_ms=cost.swap_ms,
@@ -291,12 +305,24 @@ class LLMEngine:
             num_swapped_kept=len(swapped) - len(requeued),
             preempted=[s.request.request_id for s in dropped],
             swapped_recomputed=[s.request.request_id for s in requeued])
-        logger.info("block size %d -> %d in %.1f ms (plan %.1f, wait %.1f, copy %.1f, swap %.1f, rebuild %.1f): "
-                    "%d running and %d swapped sequences kept, %.1f MiB moved, %d recomputed", old.block_size,
-                    block_size, report.pause_ms, report.plan_ms, report.wait_ms, report.copy_ms, report.swap_ms,
-                    report.rebuild_ms, report.num_running_kept, report.num_swapped_kept,
-                    (cost.bytes_moved + cost.swap_bytes_moved) / (1 << 20), len(dropped) + len(requeued))
-        return report
+
+    def _warm_up_block_switches(self) -> None:
+        """At start, switch through every allowed block size and back by the live path (planner,
+        device copies, views, graph lookup, block manager and swap pool rebuilds), splits and merges
+        both, so that what a process pays on its first switch (CUDA modules loaded on the copy
+        kernels' first launch, the copies' first temporary memory: benchmarks/RESULTS.md) is paid
+        before any request waits on it. No sequence exists yet: each switch re-lays a few blocks
+        that none holds, from block 1 so that a merge's groups are out of place."""
+        started = time.perf_counter()
+        first = self.runner.block_size
+        walk = [size for size in self.runner.allowed_block_sizes if size != first] + [first]
+        with gc_paused():
+            for size in walk:
+                old = self.runner.block_size
+                count = min(2 * max(old, size) // min(old, size), self.runner.num_blocks - 1)
+                self._relayout(size, [(list(range(1, 1 + count)), count * old)] if count > 0 else [])
+        logger.info("block-size switches %s warmed up in %.0f ms", " -> ".join(map(str, [first, *walk])),
+                    (time.perf_counter() - started) * 1e3)
 
     # ---- the step -------------------------------------------------------------------------
 

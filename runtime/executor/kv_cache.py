@@ -95,6 +95,11 @@ class KVCacheLayout:
         return self.bytes_per_token * self.block_size
 
     @property
+    def swap_bytes(self) -> int:
+        """Host memory of the swap space: whole tokens of every layer's K and V."""
+        return self.bytes_per_token * self.swap_capacity_tokens
+
+    @property
     def num_swap_blocks(self) -> int:
         return self.swap_capacity_tokens // self.block_size
 
@@ -102,15 +107,14 @@ class KVCacheLayout:
         return dataclasses.replace(self, block_size=block_size, num_blocks=self.capacity_tokens // block_size)
 
 
-def allocate(layout: KVCacheLayout, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate(layout: KVCacheLayout, num_tokens: int) -> torch.Tensor:
     """Flat K and V storage of `num_tokens` slots for every layer on the layout's device, zeroed:
-    views of one allocation (K0, V0, K1, ... in order)."""
+    one allocation, (2 * num_layers, num_tokens * num_kv_heads * head_dim), row 2i layer i's K and
+    row 2i + 1 its V. Every row the same distance from the next, so one strided view covers a block
+    of all of them (`stacked_view`): the swap space moves a block of every layer with one gather or
+    scatter instead of one per row."""
     n = num_tokens * layout.num_kv_heads * layout.head_dim
-    storage = torch.zeros(2 * layout.num_layers * n, dtype=layout.dtype, device=layout.device)
-    # one allocation, every tensor the same distance from the next: the swap space copies a block
-    # of every layer with one strided gather over them all (swap.py's `stacked_blocks`)
-    tensors = storage.view(2 * layout.num_layers, n)
-    return [(tensors[2 * i], tensors[2 * i + 1]) for i in range(layout.num_layers)]
+    return torch.zeros(2 * layout.num_layers, n, dtype=layout.dtype, device=layout.device)
 
 
 def block_view(flat: torch.Tensor, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -122,13 +126,22 @@ def block_view(flat: torch.Tensor, num_blocks: int, block_size: int, num_kv_head
     return used.view(num_blocks, block_size, num_kv_heads, head_dim)
 
 
-def views(flats: list[tuple[torch.Tensor, torch.Tensor]], layout: KVCacheLayout, num_blocks: int | None = None,
+def views(storage: torch.Tensor, layout: KVCacheLayout, num_blocks: int | None = None,
           head_major: bool | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's (K, V) block views under `layout`'s block size."""
+    """Each layer's (K, V) block views of `allocate`'s storage under `layout`'s block size."""
     n = layout.num_blocks if num_blocks is None else num_blocks
     hm = layout.head_major if head_major is None else head_major
-    return [tuple(block_view(t, n, layout.block_size, layout.num_kv_heads, layout.head_dim, hm) for t in kv)  # type: ignore[misc]
-            for kv in flats]
+    rows = [block_view(t, n, layout.block_size, layout.num_kv_heads, layout.head_dim, hm) for t in storage]
+    return list(zip(rows[0::2], rows[1::2], strict=True))
+
+
+def stacked_view(storage: torch.Tensor, layout: KVCacheLayout) -> torch.Tensor:
+    """`allocate`'s storage as (num_blocks, 2 * num_layers, block_numel) under `layout`'s block
+    size: block b of every layer's K and V, each its raw elements in the cache's own per-block order
+    (what swap.py's `block_view` gives per tensor), for copies of a block across all layers at once."""
+    block_numel = layout.block_size * layout.num_kv_heads * layout.head_dim
+    used = storage[:, :layout.num_blocks * block_numel]
+    return used.view(storage.shape[0], layout.num_blocks, block_numel).transpose(0, 1)
 
 
 def max_batch(layout: KVCacheLayout, old_block_size: int, new_block_size: int) -> int:
@@ -138,35 +151,75 @@ def max_batch(layout: KVCacheLayout, old_block_size: int, new_block_size: int) -
     return max(1, RELAYOUT_TEMP_BYTES // per_write)
 
 
-def relayout(flats: list[torch.Tensor], plan: Plan, num_kv_heads: int, head_dim: int, head_major: bool) -> int:
-    """Re-lay the blocks of `flats` (flat cache tensors cut by `plan.old_block_size`) as `plan` says,
-    in place; returns the bytes written. Token-major blocks split by re-viewing alone, and merged
-    blocks already in order stay; everything else goes through one gather (into temporary memory)
-    and one scatter per batch and tensor, the scatter reading the gathered blocks through a
-    permuted view (head-major blocks change their order of heads and tokens), so each byte re-laid
-    is read and written twice. No host synchronisation: the copies are queued on the current
-    stream, ahead of the next step's kernels."""
+def relayout(storage: torch.Tensor | list[torch.Tensor], plan: Plan, num_kv_heads: int, head_dim: int,
+             head_major: bool) -> int:
+    """Re-lay the blocks of the cache tensors — `allocate`'s storage, one row per layer's K or V,
+    or a list of flat tensors — cut by `plan.old_block_size`, as `plan` says, in place; returns
+    the bytes written.
+
+    Token-major blocks split by re-viewing alone, and merged blocks already in order stay;
+    everything else goes through one gather (into temporary memory) and one scatter per batch and
+    tensor, the scatter reading the gathered blocks through a permuted view (head-major blocks
+    change their order of heads and tokens), so each byte re-laid is read and written twice. The
+    copies move words of up to 8 bytes, not elements (a row of head_dim elements is never cut), and
+    the indices of every batch go to the device in one upload. One tensor at a time rather than one
+    strided view over all of them: over a view of the whole cache (more than 2^31 elements) the
+    copy kernels were slower on an H200, on the device and on the host. No host synchronisation:
+    the copies are queued on the current stream, ahead of the next step's kernels."""
     old, new = plan.old_block_size, plan.new_block_size
-    if old == new or not flats or (new < old and not head_major):
+    if old == new or not plan.batches or (new < old and not head_major):
         return 0  # token-major: the sub-blocks of a block are already its consecutive runs
     split = new < old
     k = old // new if split else new // old
-    unit = old * num_kv_heads * head_dim  # elements of one old block
-    device = flats[0].device
-    moved = 0
+    steps = _steps(plan, k, head_major)
+    if not steps:
+        return 0
+    flats = list(storage)
+    words, d = _words(head_dim * flats[0].element_size())
+    unit = old * num_kv_heads * d  # words of one old block
+    ids = _index(np.concatenate([i for gather, scatter, _ in steps for i in (gather, scatter)]), flats[0].device)
+    h, n_old, n_new = num_kv_heads, plan.num_old_blocks, plan.num_new_blocks
+    moved, at = 0, 0
+    for gather, scatter, copied in steps:
+        src_index, dst_index = ids[at:at + len(gather)], ids[at + len(gather):at + len(gather) + len(scatter)]
+        at += len(gather) + len(scatter)
+        n = len(scatter)
+        for flat in flats:
+            units = flat.view(words)[:n_old * unit].view(n_old, unit)
+            part = units.index_select(0, src_index)  # (blocks, unit)
+            if split:  # old block (heads, k, new, dim) -> k new blocks (heads, new, dim) in its own memory
+                target = units.view(n_old, k, h, new, d)
+                target.index_copy_(0, dst_index, part.view(n, h, k, new, d).transpose(1, 2))
+            elif head_major:  # k old blocks (heads, old, dim) -> one new block (heads, k * old, dim)
+                regions = flat.view(words)[:n_new * k * unit].view(n_new, h, k, old, d)
+                regions.index_copy_(0, dst_index, part.view(n, k, h, old, d).transpose(1, 2))
+            else:  # k old blocks, one after another
+                regions = flat.view(words)[:n_new * k * unit].view(n_new, k * unit)
+                regions.index_copy_(0, dst_index, part.view(n, k * unit))
+            del part  # one batch's temporary memory at a time
+        moved += copied * unit * words.itemsize * len(flats)
+    return moved
+
+
+def _words(row_bytes: int) -> tuple[torch.dtype, int]:
+    """The widest integer type that a row of `row_bytes` bytes is a whole number of, and how many:
+    the copy kernels move one element per thread, so bf16 moved as int64 takes a quarter of the
+    threads (and on an H200 about half the device time)."""
+    for words in (torch.int64, torch.int32, torch.int16):
+        if row_bytes % words.itemsize == 0:
+            return words, row_bytes // words.itemsize
+    return torch.uint8, row_bytes
+
+
+def _steps(plan: Plan, k: int, head_major: bool) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """Each batch's copies as (old blocks to gather, blocks to scatter them to, old blocks copied):
+    a split scatters every old block to itself (a permutation inside it, k new blocks); a merge
+    gathers each write's k old blocks and scatters them to its block of the new size."""
+    steps = []
     for batch in plan.batches:
         dst, src = batch.dst, batch.src
-        if split:
-            index = _index(dst, device)
-            n = len(dst)
-            for flat in flats:
-                units = flat[:plan.num_old_blocks * unit].view(plan.num_old_blocks, unit)
-                part = units.index_select(0, index).view(n, num_kv_heads, k, new, head_dim)
-                # old block (heads, k, new, dim) -> k new blocks (heads, new, dim) in its own memory
-                target = units.view(plan.num_old_blocks, k, num_kv_heads, new, head_dim)
-                target.index_copy_(0, index, part.transpose(1, 2))
-                del part  # one batch's temporary memory at a time
-            moved += n * unit * flats[0].element_size() * len(flats)
+        if plan.new_block_size < plan.old_block_size:
+            steps.append((dst, dst, len(dst)))
             continue
         slots = k * dst[:, None] + np.arange(k)  # the old blocks inside each target's memory
         if not head_major:  # token-major: a group already in place stays
@@ -174,22 +227,9 @@ def relayout(flats: list[torch.Tensor], plan: Plan, num_kv_heads: int, head_dim:
             dst, src, slots = dst[move], src[move], slots[move]
             if not len(dst):
                 continue
-        n, copied = len(dst), int((src >= 0).sum())
         # an unused tail of a group reads the target's own memory: any valid block will do
-        src_index = _index(np.where(src >= 0, src, slots).reshape(-1), device)
-        dst_index = _index(dst, device)
-        for flat in flats:
-            units = flat[:plan.num_old_blocks * unit].view(plan.num_old_blocks, unit)
-            part = units.index_select(0, src_index)  # (n * k, unit)
-            if head_major:  # k old blocks (heads, old, dim) -> one new block (heads, k * old, dim)
-                regions = flat[:plan.num_new_blocks * k * unit].view(plan.num_new_blocks, num_kv_heads, k, old, head_dim)
-                regions.index_copy_(0, dst_index, part.view(n, k, num_kv_heads, old, head_dim).transpose(1, 2))
-            else:
-                regions = flat[:plan.num_new_blocks * k * unit].view(plan.num_new_blocks, k * unit)
-                regions.index_copy_(0, dst_index, part.view(n, k * unit))
-            del part  # one batch's temporary memory at a time
-        moved += copied * unit * flats[0].element_size() * len(flats)
-    return moved
+        steps.append((np.where(src >= 0, src, slots).reshape(-1), dst, int((src >= 0).sum())))
+    return steps
 
 
 def _index(ids: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -47,25 +47,27 @@ class ModelRunner:
         self.num_kv_heads = self.model.layers[0].num_kv_heads  # this rank's share
         self.ops = kernel_ops.select(self.device)
         self.rope = cos_sin_cache(self.model_config, config.model.max_model_len, self.device)
-        # the layout owns the block size; its block count is known once the cache is sized
+        # the layout owns the block size and the swap space's size; its block count is known once
+        # the cache is sized
         self.layout = KVCacheLayout(
             block_size=config.cache.block_size, num_blocks=0, capacity_tokens=0,
             num_layers=self.model_config.num_layers, num_kv_heads=self.num_kv_heads,
             head_dim=self.model_config.head_dim, dtype=self.dtype, device=str(self.device),
             head_major=self.device.type == "cuda",  # the decode kernel streams each (block, KV head) as one run
             swap_capacity_tokens=0)
+        self.layout = dataclasses.replace(  # --swap-space GiB, per rank under tensor parallelism
+            self.layout, swap_capacity_tokens=int(config.cache.swap_space_gib * GiB) // self.layout.bytes_per_token)
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self.swap_space: SwapSpace | None = None  # made once the KV cache exists
         num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
-        self.layout = dataclasses.replace(
-            self.layout, num_blocks=num_blocks, capacity_tokens=num_blocks * self.block_size,
-            swap_capacity_tokens=int(config.cache.swap_space_gib * GiB) // self.layout.bytes_per_token)
+        self.layout = dataclasses.replace(self.layout, num_blocks=num_blocks, capacity_tokens=num_blocks * self.block_size)
         # one allocation for the runner's life: a block-size change re-cuts it in place (kv_cache.py)
         self._kv_storage = kv_cache.allocate(self.layout, self.layout.capacity_tokens)
         self._views_by_size: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.kv_caches = self._caches_for(self.block_size)
         # the swap space: the device cache's per-block layout, whole blocks across layers (swap.py)
-        self.swap_space = SwapSpace(self.kv_caches, self.layout.swap_capacity_tokens * self.layout.bytes_per_token)
+        self.swap_space = SwapSpace(self.kv_caches, self.layout.swap_bytes,
+                                    stacked=kv_cache.stacked_view(self._kv_storage, self.layout))
         self._graph_sets = GraphsBySize()
         self._generators: dict[int, torch.Generator] = {}  # seeded sequences' own random streams
         self._capture_graphs()
@@ -157,11 +159,6 @@ class ModelRunner:
         return graphs
 
     @property
-    def _swap_bytes(self) -> int:
-        """Host memory of the swap space (--swap-space GiB; per rank under tensor parallelism)."""
-        return int(self.config.cache.swap_space_gib * GiB)
-
-    @property
     def num_swap_blocks(self) -> int:
         """Host blocks of the swap space (--swap-space GiB; per rank under tensor parallelism)."""
         return self.layout.num_swap_blocks
@@ -195,7 +192,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         _, total = torch.cuda.mem_get_info()
-        staging = min(self._swap_bytes, MAX_STAGING_BYTES)  # the swap space's device buffer
+        staging = min(self.layout.swap_bytes, MAX_STAGING_BYTES)  # the swap space's device buffer
         budget = int(total * self.config.cache.gpu_memory_utilization) - peak - staging
         return max(0, budget // self.bytes_per_block)
 
@@ -232,14 +229,15 @@ class ModelRunner:
             events[0].record()
         geometry = (new.num_kv_heads, new.head_dim, new.head_major)
         with torch.inference_mode():
-            moved = kv_cache.relayout([t for kv in self._kv_storage for t in kv], plan, *geometry)
-            if events is not None:
-                events[1].record()
-            copied = time.perf_counter()
-            self.layout = new
-            self.kv_caches = self._caches_for(block_size)
-            host_moved = self.swap_space.recut(self.kv_caches, swap_moves)
-            recut = time.perf_counter()
+            moved = kv_cache.relayout(self._kv_storage, plan, *geometry)
+        if events is not None:
+            events[1].record()
+        copied = time.perf_counter()
+        # views made outside inference mode, as at start: the swap space's copies may run outside it
+        self.layout = new
+        self.kv_caches = self._caches_for(block_size)
+        host_moved = self.swap_space.recut(self.kv_caches, swap_moves, kv_cache.stacked_view(self._kv_storage, new))
+        recut = time.perf_counter()
         self.graphs = self._graphs_for(block_size)
         return kv_cache.RelayoutCost(bytes_moved=moved, swap_bytes_moved=host_moved, wait_ms=(waited - started) * 1e3,
                                      copy_ms=(copied - waited) * 1e3, swap_ms=(recut - copied) * 1e3, copies=events)

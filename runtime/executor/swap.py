@@ -12,10 +12,9 @@ scheduler, are one contiguous range. `host_kv_caches()` views `host` in the devi
 shape (num_swap_blocks, block_size, num_kv_heads, head_dim), with the same per-block strides.
 
 A transfer moves whole blocks across all layers: swap-out gathers the device blocks into
-`staging` (one `index_select` over a strided view of every layer's K and V, which
-kv_cache.allocate lays out at equal distances in one allocation; one per layer and K/V
-otherwise), then copies
-each contiguous run of host blocks with one `copy_`; swap-in is the mirror image. Both run on a
+`staging` (one `index_select` over the runner's `stacked` view of every layer's K and V, which
+kv_cache.allocate lays out at equal distances in one allocation; one per layer and K/V for
+caches without one), then copies each contiguous run of host blocks with one `copy_`; swap-in is the mirror image. Both run on a
 side CUDA stream, ordered by events rather than host syncs:
 
 * swap-out: the side stream first waits for the compute stream (the blocks' last writes), and the
@@ -72,21 +71,6 @@ def block_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided((cache.shape[0], block_numel), (block_numel, 1))
 
 
-def stacked_blocks(blocks: list[torch.Tensor]) -> torch.Tensor | None:
-    """The (num_blocks, len(blocks), block_numel) view over every tensor of `blocks` (each
-    (num_blocks, block_numel), as `block_view` gives them) when they lie in one allocation at equal
-    distances (kv_cache.allocate's layout), so that one gather or scatter moves a block of every
-    layer; None when they do not."""
-    first = blocks[0]
-    step = blocks[1].storage_offset() - first.storage_offset() if len(blocks) > 1 else first.numel()
-    storage = first.untyped_storage().data_ptr()
-    for i, b in enumerate(blocks):
-        if (b.untyped_storage().data_ptr() != storage or b.shape != first.shape or b.stride() != first.stride()
-                or b.storage_offset() != first.storage_offset() + i * step):
-            return None
-    return first.as_strided((first.shape[0], len(blocks), first.shape[1]), (first.stride(0), step, 1))
-
-
 def _runs(ids: list[int]) -> Iterator[tuple[int, int, int]]:
     """(position in `ids`, first id, length) of each run of consecutive ids, in order."""
     start = 0
@@ -97,7 +81,8 @@ def _runs(ids: list[int]) -> Iterator[tuple[int, int, int]]:
 
 
 class SwapSpace:
-    def __init__(self, kv_caches: KVCaches, swap_bytes: int, staging_bytes: int = MAX_STAGING_BYTES) -> None:
+    def __init__(self, kv_caches: KVCaches, swap_bytes: int, staging_bytes: int = MAX_STAGING_BYTES,
+                 stacked: torch.Tensor | None = None) -> None:
         first = kv_caches[0][0]
         self.device = first.device
         self.dtype = first.dtype
@@ -111,18 +96,24 @@ class SwapSpace:
         self._pending_in: torch.cuda.Event | None = None
         self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._stats = SwapStats()
-        self.bind(kv_caches)
+        self.bind(kv_caches, stacked)
 
-    def bind(self, kv_caches: KVCaches) -> None:
+    def bind(self, kv_caches: KVCaches, stacked: torch.Tensor | None = None) -> None:
         """Use these device caches (a new block size): the host memory is re-cut into blocks of the
-        new size, and what it held is no longer valid. Waits for transfers in flight."""
+        new size, and what it held is no longer valid. Waits for transfers in flight. `stacked`:
+        the same caches as one (num_blocks, 2 * num_layers, block_numel) view, K0, V0, K1, ...
+        (kv_cache.stacked_view), so that a transfer moves a block of every layer in one copy."""
         self.synchronize()
-        self._caches = [block_view(c) for kv in kv_caches for c in kv]  # layer-major: K0, V0, K1, ...
-        self._stacked = stacked_blocks(self._caches)  # all of them in one view, where they allow it
         first = kv_caches[0][0]
-        self._logical_shape, self._logical_strides = tuple(first.shape[1:]), first.stride()[1:]
         self.num_layers = len(kv_caches)
-        self.block_numel = self._caches[0].shape[1]
+        self.block_numel = block_view(first).shape[1]
+        if stacked is not None and (stacked.shape != (first.shape[0], 2 * self.num_layers, self.block_numel)
+                                    or stacked.data_ptr() != first.data_ptr()):
+            raise ValueError(f"the stacked view {tuple(stacked.shape)} is not the {2 * self.num_layers} caches' blocks")
+        self._stacked = stacked
+        # layer-major: K0, V0, K1, ...; one at a time where no stacked view covers them
+        self._caches = [block_view(c) for kv in kv_caches for c in kv] if stacked is None else []
+        self._logical_shape, self._logical_strides = tuple(first.shape[1:]), first.stride()[1:]
         self.bytes_per_block = 2 * self.num_layers * self.block_numel * self.dtype.itemsize
         self.num_blocks = self._host_bytes.numel() // self.bytes_per_block
         self.num_staging_blocks = self._staging_bytes.numel() // self.bytes_per_block
@@ -131,7 +122,8 @@ class SwapSpace:
         self.host = self._cut(self._host_bytes, self.num_blocks)
         self.staging = self._cut(self._staging_bytes, self.num_staging_blocks)
 
-    def recut(self, kv_caches: KVCaches, moves: list[tuple[list[int], list[int], int]]) -> int:
+    def recut(self, kv_caches: KVCaches, moves: list[tuple[list[int], list[int], int]],
+              stacked: torch.Tensor | None = None) -> int:
         """`bind` to the device caches of a new block size, keeping the KV of swapped sequences:
         each move is (host blocks in the old cut, host blocks in the new cut, tokens held). Their
         tokens are read out of the old cut first (host memory for them meanwhile), so any new
@@ -144,7 +136,7 @@ class SwapSpace:
             blocks = old_view[torch.tensor(old, dtype=torch.long)]  # (blocks, layers, 2, block_size, heads, dim)
             tokens = blocks.movedim(0, 2).flatten(2, 3)[:, :, :num_tokens]  # (layers, 2, tokens, heads, dim)
             saved.append(tokens)
-        self.bind(kv_caches)
+        self.bind(kv_caches, stacked)
         new_view = self._token_view()
         block_size = new_view.shape[3]
         written = 0

@@ -139,6 +139,21 @@ def test_block_size_change_mid_generation_keeps_outputs(tiny_models) -> None:
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_start_up_switches_through_every_block_size_and_leaves_the_engine_as_configured(tiny_models) -> None:
+    # the warm-up re-lays blocks no sequence holds at every allowed size; a tiny cache (2 blocks of
+    # 64) still takes every size, and the engine starts at the configured one with everything free
+    folder, hf = tiny_models["mistral"]
+    llm = LLM(folder, max_model_len=128, block_size=32, num_gpu_blocks_override=4, swap_space=0.001)
+    engine = llm.engine
+    assert sorted(engine.runner._views_by_size) == engine.runner.allowed_block_sizes == [8, 16, 32, 64]
+    assert engine.runner.block_size == engine.block_manager.block_size == 32 and engine.last_relayout is None
+    assert engine.block_manager.num_blocks == 4 and engine.block_manager.num_free_blocks == 4
+    assert engine.scheduler.swap_pool.num_free_blocks == engine.scheduler.num_swap_blocks > 0
+    prompt = list(range(3, 70))
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    assert out.token_ids == hf_greedy(hf, prompt, 20)
+
+
 def test_update_config_rejects_bad_values_and_changes_nothing(tiny_models) -> None:
     folder, _ = tiny_models["llama"]
     engine = LLM(folder, max_model_len=128).engine

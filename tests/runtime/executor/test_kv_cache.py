@@ -75,6 +75,25 @@ def test_relayout_keeps_every_kept_token(state) -> None:
         assert moved == 0  # a token-major split is a re-view
 
 
+@settings(max_examples=60, deadline=None)
+@given(cache_states(), st.sampled_from([(torch.float16, 4), (torch.float16, 3), (torch.bfloat16, 2)]))
+def test_rows_of_the_runner_storage_move_as_words_and_keep_every_kept_token(state, element) -> None:
+    # allocate's storage, a row per layer's K or V; its copies move int64, int16 and int32 words
+    old, new, capacity, seqs, max_batch, head_major = state
+    dtype, dim = element
+    num_old, num_new = capacity // old, capacity // new
+    storage = torch.randn(3, capacity * HEADS * dim).to(dtype)
+    before = [kv_cache.block_view(row, num_old, old, HEADS, dim, head_major) for row in storage]
+    expected = [[tokens_of(b, t, old, n).clone() for t, n in seqs] for b in before]
+    plan = plan_relayout(old, new, num_old, num_new, seqs, max_batch)
+    kv_cache.relayout(storage, plan, HEADS, dim, head_major)
+    for row, kept in zip(storage, expected, strict=True):
+        after = kv_cache.block_view(row, num_new, new, HEADS, dim, head_major)
+        for ((_, n), table, tokens) in zip(seqs, plan.tables, kept, strict=True):
+            if table is not None:
+                assert torch.equal(tokens_of(after, table, new, n), tokens)
+
+
 def test_split_is_a_review_and_merge_of_aligned_blocks_moves_nothing_token_major() -> None:
     seqs = [([4, 5, 6], 40), ([0, 1], 32)]
     plan = plan_relayout(16, 8, 8, 16, seqs, max_batch=8)
@@ -100,6 +119,7 @@ def test_layout_counts_blocks_from_one_allocation() -> None:
     layout = KVCacheLayout(block_size=16, num_blocks=21, capacity_tokens=336, num_layers=3, num_kv_heads=2,
                            head_dim=16, dtype=torch.float32, device="cpu", head_major=False, swap_capacity_tokens=40)
     assert layout.bytes_per_block == 2 * 3 * 2 * 16 * 4 * 16 and layout.num_swap_blocks == 2
+    assert layout.swap_bytes == 40 * layout.bytes_per_token
     assert layout.with_block_size(64).num_blocks == 5 and layout.with_block_size(8).num_blocks == 42
     with pytest.raises(ValueError, match="block_size"):
         layout.with_block_size(12)

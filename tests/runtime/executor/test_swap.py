@@ -18,26 +18,25 @@ from kvpilot.runtime.engine.scheduler import SchedulerOutput
 from kvpilot.runtime.engine.sequence import Sequence
 from kvpilot.runtime.executor import kv_cache, model_runner
 from kvpilot.runtime.executor.kv_cache import KVCacheLayout
-from kvpilot.runtime.executor.swap import SwapSpace, block_view, stacked_blocks
+from kvpilot.runtime.executor.swap import SwapSpace, block_view
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 3, 2, 8
 
 
-def random_caches(num_blocks: int, block_size: int, head_major: bool,
-                  one_allocation: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Random caches, each layer's K and V its own tensor, or cut from one allocation as the
-    runner's are (kv_cache.allocate: the swap space then moves all layers with one gather)."""
-    if one_allocation:
-        layout = KVCacheLayout(block_size=8, num_blocks=0, capacity_tokens=0, num_layers=NUM_LAYERS,
-                               num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32, device="cpu",
-                               head_major=head_major, swap_capacity_tokens=0)
-        caches = [tuple(kv_cache.block_view(t, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, head_major) for t in kv)
-                  for kv in kv_cache.allocate(layout, num_blocks * block_size)]
-        for kv in caches:
-            for c in kv:
-                c.copy_(torch.randn(c.shape))
-        return caches
+def allocated_caches(num_blocks: int, block_size: int,
+                     head_major: bool) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Random caches cut from one allocation as the runner's are (kv_cache.allocate), and their
+    stacked view, through which the swap space moves all layers with one gather."""
+    layout = KVCacheLayout(block_size=block_size, num_blocks=num_blocks, capacity_tokens=num_blocks * block_size,
+                           num_layers=NUM_LAYERS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
+                           device="cpu", head_major=head_major, swap_capacity_tokens=0)
+    storage = kv_cache.allocate(layout, layout.capacity_tokens)
+    storage.copy_(torch.randn(storage.shape))
+    return kv_cache.views(storage, layout), kv_cache.stacked_view(storage, layout)
 
+
+def random_caches(num_blocks: int, block_size: int, head_major: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random caches, each layer's K and V its own tensor."""
     def one() -> torch.Tensor:
         cache = kv_cache_empty(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, head_major=head_major,
                                dtype=torch.float32, device="cpu")
@@ -55,11 +54,12 @@ def block_bytes(block_size: int) -> int:
 @pytest.mark.parametrize("staging_blocks", [2, 64])
 def test_blocks_round_trip_bit_identical_into_other_device_blocks(head_major: bool, staging_blocks: int,
                                                                   one_allocation: bool) -> None:
-    caches = random_caches(num_blocks=12, block_size=4, head_major=head_major, one_allocation=one_allocation)
+    caches, stacked = (allocated_caches(12, 8, head_major) if one_allocation
+                       else (random_caches(num_blocks=12, block_size=8, head_major=head_major), None))
     before = [(k.clone(), v.clone()) for k, v in caches]
-    space = SwapSpace(caches, swap_bytes=16 * block_bytes(4), staging_bytes=staging_blocks * block_bytes(4))
+    space = SwapSpace(caches, swap_bytes=16 * block_bytes(8), staging_bytes=staging_blocks * block_bytes(8),
+                      stacked=stacked)
     assert space.num_blocks == 16 and space.num_staging_blocks == min(staging_blocks, 16)
-    assert (stacked_blocks(space._caches) is not None) == one_allocation
     out = [(7, 3), (2, 4), (9, 5), (0, 11), (5, 12)]  # host runs 3-5 and 11-12
     space.swap(out, [])
     for k, v in caches:  # the step reuses the device blocks
@@ -79,8 +79,9 @@ def test_blocks_round_trip_bit_identical_into_other_device_blocks(head_major: bo
 @pytest.mark.parametrize("one_allocation", [True, False])
 @pytest.mark.parametrize("head_major", [True, False])
 def test_host_views_have_the_device_caches_shape_and_per_block_layout(head_major: bool, one_allocation: bool) -> None:
-    caches = random_caches(num_blocks=6, block_size=8, head_major=head_major, one_allocation=one_allocation)
-    space = SwapSpace(caches, swap_bytes=4 * block_bytes(8))
+    caches, stacked = (allocated_caches(6, 8, head_major) if one_allocation
+                       else (random_caches(num_blocks=6, block_size=8, head_major=head_major), None))
+    space = SwapSpace(caches, swap_bytes=4 * block_bytes(8), stacked=stacked)
     space.swap([(5, 2)], [])
     host = space.host_kv_caches()
     assert len(host) == NUM_LAYERS
@@ -99,14 +100,14 @@ def test_a_new_block_size_re_cuts_the_same_host_memory() -> None:
     assert space.host.data_ptr() == pointer and space.num_blocks == 20
 
 
-def test_one_view_over_every_layer_only_where_the_tensors_are_evenly_spaced_in_one_allocation() -> None:
-    storage = torch.arange(6 * 4 * 5.0).view(6, 4, 5)
-    stacked = stacked_blocks(list(storage))
-    assert stacked is not None and stacked.shape == (4, 6, 5)
-    assert torch.equal(stacked, storage.transpose(0, 1))
-    assert stacked_blocks([storage[0], storage[2], storage[3]]) is None  # a gap
-    assert stacked_blocks([storage[0], storage[1].clone()]) is None  # another allocation
-    assert stacked_blocks([storage[0]]) is not None
+@pytest.mark.parametrize("head_major", [True, False])
+def test_the_stacked_view_holds_each_block_of_every_layer_as_its_own_cache_does(head_major: bool) -> None:
+    caches, stacked = allocated_caches(5, 8, head_major)
+    assert stacked.shape == (5, 2 * NUM_LAYERS, 8 * NUM_KV_HEADS * HEAD_DIM)
+    for i, cache in enumerate(c for kv in caches for c in kv):
+        assert torch.equal(stacked[:, i], block_view(cache))
+    with pytest.raises(ValueError, match="stacked view"):  # another allocation's view
+        SwapSpace(caches, swap_bytes=4 * block_bytes(8), stacked=stacked.clone())
 
 
 def host_tokens(space: SwapSpace, table: list[int], num_tokens: int) -> torch.Tensor:
