@@ -108,9 +108,9 @@ class Tuner:
                                   for p, (b, m) in sorted(self.pods.items())]}
         if self.tuned is not None:
             out["config"] = to_status(self.tuned)
-        if self.canary is not None:
-            out["canary"] = {"pod": self.canary.pod, "since": _iso(self.canary.since),
-                             "target": to_status(self.canary.target)}
+        # None when there is none: the status patch then removes the last one
+        out["canary"] = None if self.canary is None else {
+            "pod": self.canary.pod, "since": _iso(self.canary.since), "target": to_status(self.canary.target)}
         if self.last_change is not None:
             out["lastChangeTime"] = _iso(self.last_change)
         return {**out, **self.outcomes.to_status()}

@@ -219,6 +219,7 @@ async def test_what_the_tuner_measured_and_the_tuned_config_survive_an_operator_
                          what="8/swap's measured outcome in status.tuning.outcomes")
     before = _status(cluster)["tuning"]
     assert before["config"]["blockSize"] == 8 and before["config"]["preemptionMode"] == "swap"
+    assert "canary" not in before  # promoted: no change is being tried
     assert before["switchPauses"] == [{"from": {"blockSize": 16, "preemptionMode": "recompute"},
                                        "to": {"blockSize": 8, "preemptionMode": "swap"},
                                        "pauseMs": RELAYOUT_PAUSE_MS, "switches": 1}]
