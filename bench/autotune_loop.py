@@ -5,7 +5,8 @@ change in the operator's policy is a change in what this loop does.
 
 One server is one replica, so there is no other pod to canary against; every decision goes
 straight to the server (the operator's canary step is judged separately, in its own tests).
-Each applied change is recorded with the engine's own account of the pause it caused.
+Each applied change is recorded with the engine's own account of the pause it caused, which the
+policy weighs against the next such switch's expected gain (as the operator does).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvpilot.operator.autotune import (
     AdminClient,
     AdminError,
     EngineLimits,
+    EngineTarget,
     LiveConfig,
     Outcomes,
     PodEndpoint,
@@ -75,7 +77,8 @@ class LiveTuner:
                 observed = now
                 measured = self.outcomes.measured(spec.canary.window_s)
                 decision = decide(scraper.summaries(since=now - spec.min_dwell_s), current, spec, self.limits,
-                                  now=now, last_change=last_change, measured=measured)
+                                  now=now, last_change=last_change, measured=measured,
+                                  pauses=self.outcomes.pauses())
                 self.log.num_decisions += 1
                 self.log.decisions.append({
                     "at_s": now - self.started_at, "config": _knobs(current), "reason": decision.reason,
@@ -91,8 +94,14 @@ class LiveTuner:
                         self.log.switches.append({
                             "at_s": now - self.started_at, "from": _knobs(current), "to": _knobs(applied.config),
                             "reason": decision.reason, "pause_s": applied.duration_s,
+                            "relayout_pause_s": applied.relayout_pause_s,
                             "signals": dataclasses.asdict(decision.signals) if decision.signals else None,
                         })
+                        if applied.relayout_pause_s is not None:
+                            self.outcomes.record_pause(EngineTarget(current.block_size, current.preemption_mode),
+                                                       EngineTarget(applied.config.block_size,
+                                                                    applied.config.preemption_mode),
+                                                       applied.relayout_pause_s)
                         current = applied.config
                         last_change = time.time()
                 else:

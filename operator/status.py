@@ -167,5 +167,14 @@ def api_error_status(current: Manifest, generation: int, message: str, now: str)
 
 
 def status_changes(current: Manifest, new: Manifest) -> Manifest:
-    """The keys of `new` whose values differ from `current`: the status patch, possibly empty."""
-    return {k: v for k, v in new.items() if current.get(k) != v}
+    """The keys of `new` whose values differ from `current`: the status patch (a merge patch),
+    possibly empty. A None anywhere in `new` removes that key: a field that is gone must be sent
+    as None, since a merge patch keeps whatever it does not name, and is then equal to its absence."""
+    return {k: v for k, v in new.items() if current.get(k) != _merged(v)}
+
+
+def _merged(value: Any) -> Any:
+    """What a merge patch of `value` leaves stored: keys set to None removed, at every depth."""
+    if isinstance(value, dict):
+        return {k: _merged(v) for k, v in value.items() if v is not None}
+    return value

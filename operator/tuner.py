@@ -8,6 +8,9 @@
 * *Canary*: a change the policy (`autotune.decide`) asks for goes to one pod; `autotune.judge`
   compares it with the other pods (alone: with its own window before the change) until it
   promotes the change to every pod (one at a time) or rolls the canary back.
+* *Memory*: what each configuration measured at capacity and what each switch paused the engine
+  for (`autotune.Outcomes`) go into status.tuning with the config, and a restarted operator
+  reloads them, so it neither measures again nor retries what it already found worse.
 With `apply: rollout` there is no canary: the decision becomes the config in force, and the
 reconcile writes it into the Deployment's flags, which rolls the pods.
 
@@ -33,6 +36,7 @@ from .autotune.live_config import LiveConfig
 from .autotune.outcomes import Outcomes
 from .autotune.policy import decide
 from .autotune.scrape import ScrapeReport
+from .autotune.tuning_spec import EngineTarget
 from .status import condition
 
 if TYPE_CHECKING:
@@ -67,6 +71,10 @@ def _epoch(text: str | None) -> float | None:
         return None
 
 
+def _knobs(c: LiveConfig) -> EngineTarget:
+    return EngineTarget(c.block_size, c.preemption_mode)
+
+
 def _short(c: LiveConfig) -> str:
     return f"block_size {c.block_size}, {c.preemption_mode}"
 
@@ -92,7 +100,7 @@ class Tuner:
         self.pods: dict[str, tuple[int, str]] = {}
         self.condition: Manifest | None = None
         self.attempted: float | None = None  # a failed admin call: the cooldown runs from it
-        self.outcomes = Outcomes()
+        self.outcomes = Outcomes.from_status(status)  # what an earlier operator measured
         self.observed: float | None = None  # the end of the span last fed to `outcomes`
 
     def status(self) -> Manifest:
@@ -100,12 +108,12 @@ class Tuner:
                                   for p, (b, m) in sorted(self.pods.items())]}
         if self.tuned is not None:
             out["config"] = to_status(self.tuned)
-        if self.canary is not None:
-            out["canary"] = {"pod": self.canary.pod, "since": _iso(self.canary.since),
-                             "target": to_status(self.canary.target)}
+        # None when there is none: the status patch then removes the last one
+        out["canary"] = None if self.canary is None else {
+            "pod": self.canary.pod, "since": _iso(self.canary.since), "target": to_status(self.canary.target)}
         if self.last_change is not None:
             out["lastChangeTime"] = _iso(self.last_change)
-        return out
+        return {**out, **self.outcomes.to_status()}
 
     def _set(self, status: bool | None, reason: str, message: str) -> None:
         self.condition = condition("Tuned", status, reason, message)
@@ -161,7 +169,10 @@ class Tuner:
         changes = current.changes_to(target)
         if not changes:
             return current
-        return (await admin.apply(endpoint, changes)).config
+        applied = await admin.apply(endpoint, changes)
+        if applied.relayout_pause_s is not None:
+            self.outcomes.record_pause(_knobs(current), _knobs(applied.config), applied.relayout_pause_s)
+        return applied.config
 
     async def _decide(self, now: float, endpoints: dict[str, PodEndpoint], admin: AdminClient) -> None:
         pilot, spec = self.pilot, self.pilot.settings.tuning
@@ -174,7 +185,7 @@ class Tuner:
         last = max((t for t in (self.last_change, self.attempted) if t is not None), default=None)
         summaries = pilot.scraper.summaries(since=now - spec.min_dwell_s)
         decision = decide(summaries, self.config, spec, pilot.settings.limits, now=now, last_change=last,
-                          measured=self.outcomes.measured(spec.canary.window_s))
+                          measured=self.outcomes.measured(spec.canary.window_s), pauses=self.outcomes.pauses())
         if decision.target is None:
             metrics.TUNING_DECISIONS.labels(*self._labels, "skipped").inc()
             waiting = decision.signals is None

@@ -5,7 +5,8 @@
   rates, means and histogram increases over a span.
 * `policy` — `decide`: summaries + config in force + `TuningSpec` -> `Decision`.
 * `outcomes` — `Outcomes`: each configuration's throughput while the service ran at capacity,
-  which the policy uses to keep what paid on this hardware and leave what did not.
+  which the policy uses to keep what paid on this hardware and leave what did not, and the pause
+  each switch caused, which it weighs against a switch's expected gain; kept in status.
 * `canary` — `judge`: the canary pod's window against a baseline -> promote | rollback | wait.
 * `admin` — `AdminClient`: the engine's `GET/POST /admin/config`.
 

@@ -38,6 +38,7 @@ class AppliedConfig:
     applied: dict[str, dict[str, Any]]  # {name: {"old": ..., "new": ...}} changed by this call
     duration_s: float  # how long the engine took (the pause a live change caused)
     config: LiveConfig  # what the engine runs now
+    relayout_pause_s: float | None = None  # a block-size change: the engine's own pause (relayout.pause_ms)
 
 
 class AdminClient:
@@ -65,9 +66,11 @@ class AdminClient:
             raise ValueError("changes: nothing to apply")
         answer = await self._call("POST", endpoint, dict(changes))
         try:
+            relayout = answer.get("relayout")
+            pause_s = float(relayout["pause_ms"]) / 1e3 if relayout is not None else None
             return AppliedConfig(dict(answer["applied"]), float(answer["duration_s"]),
-                                 _live_config(endpoint, answer["config"]))
-        except (KeyError, TypeError, ValueError) as e:
+                                 _live_config(endpoint, answer["config"]), pause_s)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise AdminError(endpoint.pod, f"unexpected answer to POST /admin/config ({e!r}): {answer}") from None
 
     async def _call(self, method: str, endpoint: PodEndpoint, body: dict[str, Any] | None) -> Any:

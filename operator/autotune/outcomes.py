@@ -14,8 +14,18 @@ a change is given to show what it is worth). Goodput cannot be compared this way
 offered load, which is what changed when the policy switched.
 
 Windows are fed once each (the caller passes the span since its previous call), so a long stretch
-under one configuration is not counted twice. Estimates are per service and live as long as the
-tuner that holds them; a change of hardware or model comes with a rollout, which starts afresh.
+under one configuration is not counted twice.
+
+*Switch pauses*: a block-size change stops the engine while its KV cache is re-laid; the engine
+reports that pause (`relayout.pause_ms` in the `POST /admin/config` answer), and the mean per
+(from, to) is what the policy weighs a switch's expected gain against.
+
+Estimates and pauses are per service. They are kept in the InferenceService's status
+(`status.tuning.outcomes`, `status.tuning.switchPauses`: one entry per configuration or pair,
+so bounded by the block sizes and modes there are) and reloaded when the operator restarts, so a
+restarted operator does not measure again what it already knew. They hold for the model and the
+hardware they were measured on: a spec that changes either keeps them (a known gap; deleting
+`status.tuning` starts afresh).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from statistics import fmean
+from typing import Any
 
 from .tuning_spec import EngineTarget, Thresholds
 from .window import WindowSummary
@@ -43,9 +54,22 @@ class Estimate:
         return self.tokens_per_s - other.tokens_per_s > max(tolerance * other.tokens_per_s, noise)
 
 
+Switch = tuple[EngineTarget, EngineTarget]  # (from, to)
+
+
 class Outcomes:
     def __init__(self) -> None:
         self._sums: dict[EngineTarget, tuple[float, float, float, int]] = {}  # seconds, sum w*x, sum w*x^2, windows
+        self._pauses: dict[Switch, tuple[float, int]] = {}  # summed pause seconds, switches
+
+    def record_pause(self, source: EngineTarget, target: EngineTarget, pause_s: float) -> None:
+        """A switch from `source` to `target` stopped the engine for `pause_s` (the engine's own account)."""
+        total, n = self._pauses.get((source, target), (0.0, 0))
+        self._pauses[(source, target)] = (total + max(0.0, pause_s), n + 1)
+
+    def pauses(self) -> dict[Switch, float]:
+        """The mean pause of each switch seen, in seconds."""
+        return {pair: total / n for pair, (total, n) in self._pauses.items()}
 
     def observe(self, summaries: Mapping[str, WindowSummary], thresholds: Thresholds, *,
                 last_change: float | None = None) -> EngineTarget | None:
@@ -88,6 +112,60 @@ class Outcomes:
             if e is not None and e.seconds >= min_seconds:
                 out[config] = e
         return out
+
+
+    def to_status(self) -> dict[str, list[dict[str, Any]]]:
+        """`status.tuning.outcomes` and `status.tuning.switchPauses` (each left out while empty):
+        the sums behind each estimate as mean, spread and weight, so `from_status` restores them."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        rows = []
+        for config, (w, sx, sxx, n) in sorted(self._sums.items(), key=lambda kv: _order(kv[0])):
+            mean = sx / w
+            rows.append({**_target(config), "tokensPerSecond": round(mean, 3),
+                         "spread": round(math.sqrt(max(0.0, sxx / w - mean * mean)), 3),
+                         "seconds": round(w, 3), "windows": n})
+        if rows:
+            out["outcomes"] = rows
+        if self._pauses:
+            out["switchPauses"] = [{"from": _target(a), "to": _target(b), "pauseMs": round(total / n * 1e3, 3),
+                                    "switches": n}
+                                   for (a, b), (total, n) in sorted(self._pauses.items(),
+                                                                    key=lambda kv: (_order(kv[0][0]), _order(kv[0][1])))]
+        return out
+
+    @classmethod
+    def from_status(cls, tuning: Mapping[str, Any]) -> Outcomes:
+        """What `to_status` wrote (`status.tuning`); an entry it cannot read is dropped, not fatal."""
+        outcomes = cls()
+        for row in tuning.get("outcomes") or []:
+            try:
+                config, w, n = _from_target(row), float(row["seconds"]), int(row["windows"])
+                mean, spread = float(row["tokensPerSecond"]), float(row["spread"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if w > 0 and n > 0:
+                outcomes._sums[config] = (w, w * mean, w * (spread * spread + mean * mean), n)
+        for row in tuning.get("switchPauses") or []:
+            try:
+                pair, n = (_from_target(row["from"]), _from_target(row["to"])), int(row["switches"])
+                pause_s = float(row["pauseMs"]) / 1e3
+            except (KeyError, TypeError, ValueError):
+                continue
+            if n > 0:
+                outcomes._pauses[pair] = (pause_s * n, n)
+        return outcomes
+
+
+def _target(config: EngineTarget) -> dict[str, Any]:
+    return {"blockSize": config.block_size, "preemptionMode": config.preemption_mode}
+
+
+def _from_target(row: Mapping[str, Any]) -> EngineTarget:
+    return EngineTarget(int(row["blockSize"]), str(row["preemptionMode"]))
+
+
+def _order(config: EngineTarget) -> tuple[int, str]:
+    return config.block_size, config.preemption_mode
 
 
 def saturated(windows: list[WindowSummary], t: Thresholds) -> bool:

@@ -23,6 +23,12 @@ Rules, in the order a reason lists them:
   values measured within it does not matter here, and is left where it is. In calm: the calm
   target, unless it measured worse than the best configuration, which then stays (calm is bound
   by demand, not by the engine, and the next burst finds the best configuration in place);
+* switch cost: a block-size change pauses the engine while it re-lays its KV cache; once such a
+  switch has been seen (`Outcomes.pauses`: the engine's `relayout.pause_ms`, per from -> to) and
+  both configurations are measured, the switch is made only if its expected gain over the minimum
+  dwell (the measured tokens/s difference x `min_dwell_s`, the least time a configuration is given
+  before the next decision) is at least the tokens the pause loses (the config in force's tokens/s
+  x the pause). A switch to an unmeasured configuration is a trial, with no gain to weigh;
 * preemption mode: swap only where allowed, with swap space, and (when
   `swap_min_context_tokens` is set) for contexts long enough that copying beats prefilling again;
 * max_num_seqs (when the spec gives a range): doubled when it, not memory, binds (a queue, KV
@@ -43,7 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .live_config import EngineLimits, LiveConfig
-from .outcomes import Estimate
+from .outcomes import Estimate, Switch
 from .signals import Signals, aggregate
 from .tuning_spec import EngineTarget, Thresholds, TuningSpec
 from .window import WindowSummary
@@ -68,11 +74,13 @@ class Decision:
 
 def decide(summaries: Mapping[str, WindowSummary], current: LiveConfig, spec: TuningSpec,
            limits: EngineLimits, *, now: float, last_change: float | None,
-           measured: Mapping[EngineTarget, Estimate] | None = None) -> Decision:
+           measured: Mapping[EngineTarget, Estimate] | None = None,
+           pauses: Mapping[Switch, float] | None = None) -> Decision:
     """`summaries`: each Ready pod's window over (now - spec.min_dwell_s, now], by pod name.
     `last_change`: when the config in force was applied (or rolled back to); None if never.
     `measured`: `Outcomes.measured()`, the configurations' throughput at capacity; none: the
-    targets alone decide."""
+    targets alone decide. `pauses`: `Outcomes.pauses()`, the seconds each switch seen stopped the
+    engine; none: switches are free."""
     if last_change is not None and now - last_change < spec.cooldown_s:
         return Decision(current, None, f"cooldown: {now - last_change:.0f} s since the last change, "
                                        f"{spec.cooldown_s:g} s required", None)
@@ -81,7 +89,11 @@ def decide(summaries: Mapping[str, WindowSummary], current: LiveConfig, spec: Tu
         why = "; ".join(left_out) if left_out else "no pod has been scraped"
         return Decision(current, None, f"not enough data: {why}", None)
     signals = aggregate(usable, spec.slo)
-    engine, why_engine = _engine_target(signals, current, spec, limits, measured or {})
+    known = {c: e for c, e in (measured or {}).items() if _allowed(c, spec, limits)}
+    engine, why_engine = _engine_target(signals, current, spec, limits, known)
+    engine, why_cost = _switch_cost(EngineTarget(current.block_size, current.preemption_mode), engine, known,
+                                    pauses or {}, spec.min_dwell_s)
+    why_engine = "; ".join(r for r in (why_engine, why_cost) if r)
     seqs, why_seqs = _max_num_seqs(signals, current, spec)
     tokens, why_tokens = _max_num_batched_tokens(signals, current, spec, limits)
     target = dataclasses.replace(current, block_size=engine.block_size, preemption_mode=engine.preemption_mode,
@@ -110,9 +122,8 @@ def _usable(summaries: Mapping[str, WindowSummary], current: LiveConfig,
 
 
 def _engine_target(sig: Signals, current: LiveConfig, spec: TuningSpec, limits: EngineLimits,
-                   measured: Mapping[EngineTarget, Estimate]) -> tuple[EngineTarget, str]:
+                   known: Mapping[EngineTarget, Estimate]) -> tuple[EngineTarget, str]:
     t = spec.thresholds
-    known = {c: e for c, e in measured.items() if _allowed(c, spec, limits)}
     held = EngineTarget(current.block_size, current.preemption_mode)
     calm, calm_note = _resolve(spec.calm, sig, spec, limits, current)
     calm, calm_note = _calm_choice(calm, calm_note, known, spec.canary.tolerance)
@@ -174,6 +185,24 @@ def _calm_choice(calm: EngineTarget, note: str, known: Mapping[EngineTarget, Est
         return calm, note
     return best, (f"{_short(calm)} measured {_rate(known[calm])} at capacity against {_short(best)}'s "
                   f"{_rate(known[best])}")
+
+
+def _switch_cost(held: EngineTarget, target: EngineTarget, known: Mapping[EngineTarget, Estimate],
+                 pauses: Mapping[Switch, float], dwell_s: float) -> tuple[EngineTarget, str]:
+    """`target`, or `held` where the switch's pause costs more tokens than it is expected to gain;
+    a note when the rule weighed the switch (see the module docstring's "switch cost")."""
+    pause_s = pauses.get((held, target))
+    if target == held or pause_s is None or held not in known or target not in known:
+        return target, ""
+    rate = known[held].tokens_per_s
+    gain = (known[target].tokens_per_s - rate) * dwell_s
+    cost = rate * pause_s
+    weighed = (f"{_short(target)}'s expected gain {gain:.0f} tokens over the {dwell_s:g} s dwell "
+               f"({known[target].tokens_per_s - rate:+.0f} tok/s)")
+    paused = f"the {cost:.0f} tokens its {pause_s * 1e3:.0f} ms pause loses at {rate:.0f} tok/s"
+    if gain < cost:
+        return held, f"switch cost: {weighed} < {paused}: {_short(held)} stays"
+    return target, f"switch cost: {weighed} >= {paused}"
 
 
 def _allowed(config: EngineTarget, spec: TuningSpec, limits: EngineLimits) -> bool:

@@ -61,6 +61,8 @@ def test_the_autotuner_switches_on_the_burst_and_back_after_it(tmp_path: Path,
     assert first["signals"]["queue_depth"] > 6
     assert rest and rest[-1]["to"]["block_size"] == 16 and "calm" in rest[-1]["reason"]
     assert all(s["pause_s"] > 0 for s in tuner["switches"])
+    # each switch changes the block size: the engine's own relayout pause, within the call
+    assert all(0 <= s["relayout_pause_s"] <= s["pause_s"] for s in tuner["switches"])
     assert tuner["pause_s"] == pytest.approx(sum(s["pause_s"] for s in tuner["switches"]))
     assert tuner["admin_errors"] == [] and tuner["scrape_failures"] == 0
     tuned_phases = next(r for r in body["runs"] if r["tuned"])["phases"]
@@ -86,6 +88,16 @@ def test_the_built_in_quick_workload_has_the_three_phases_and_repeats_with_the_s
     long_prompts = [t.request.prompt for t in by_phase[2]]
     shared = [p for p in long_prompts if p[:32] == long_prompts[0][:32]]  # type: ignore[index]
     assert 1 <= len(shared) < len(long_prompts) or len(long_prompts) < 3
+
+
+def test_the_h200_workload_files_tell_one_story_and_fit_the_kv_budget() -> None:
+    """The 45 s file is the 30 s one with longer calm and long phases around the same burst."""
+    folder = Path(__file__).resolve().parents[2] / "benchmarks" / "autotune"
+    short, longer = load_phases(folder / "h200-short.yaml"), load_phases(folder / "h200-45s.yaml")
+    assert [p.name for p in short] == [p.name for p in longer] == ["calm", "burst", "long"]
+    assert (sum(p.duration for p in short), sum(p.duration for p in longer)) == (30, 45)
+    assert longer[1] == short[1]
+    assert max(p.max_tokens for p in longer) <= 16384  # the --kv-tokens of the H200 command
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -101,6 +101,40 @@ def test_autotune_gets_its_config_map_and_waits_for_ready_pods(control_plane: Co
                what="Tuned=Unknown AwaitingMetrics while no pod is Ready")
 
 
+def test_the_tuners_memory_in_status_survives_the_schema_and_an_operator_restart(control_plane: ControlPlane,
+                                                                                  operator: OperatorProcess) -> None:
+    """status.tuning as the operator writes it (the tuned config, the measured outcomes, the switch
+    pauses) is kept by the real API server's structural schema, which prunes unknown fields, and a
+    restarted operator writes it back as it found it."""
+    namespace = new_namespace(control_plane, "tuning-memory")
+    create(control_plane, namespace, "smol", {**SPEC, "engine": {"swapSpace": 1},
+                                              "autotune": {"enabled": True, "interval": "1s"}})
+    reconciled(control_plane, namespace, "smol")
+    memory = {
+        "config": {"blockSize": 8, "preemptionMode": "swap", "maxNumSeqs": 256, "maxNumBatchedTokens": 2048,
+                   "schedulerPolicy": "fcfs"},
+        "lastChangeTime": "2026-01-01T00:00:00Z",
+        "outcomes": [{"blockSize": 8, "preemptionMode": "swap", "tokensPerSecond": 812.5, "spread": 40.25,
+                      "seconds": 96.5, "windows": 19},
+                     {"blockSize": 16, "preemptionMode": "recompute", "tokensPerSecond": 640.0, "spread": 0.0,
+                      "seconds": 20.0, "windows": 4}],
+        "switchPauses": [{"from": {"blockSize": 16, "preemptionMode": "recompute"},
+                          "to": {"blockSize": 8, "preemptionMode": "swap"}, "pauseMs": 31.25, "switches": 2}]}
+    control_plane.kubectl("patch", "kvis", "smol", "-n", namespace, "--subresource=status", "--type=merge",
+                          "-p", json.dumps({"status": {"tuning": memory}}))
+
+    def tuning() -> dict[str, object]:
+        return (control_plane.get("kvis", "smol", namespace) or {}).get("status", {}).get("tuning", {})
+    kept = {k: v for k, v in tuning().items() if k in memory}
+    assert kept == memory
+    operator.stop()
+    operator.start()
+    eventually(lambda: operator.reconciles() > 0, what="the restarted operator reconciling")
+    eventually(lambda: _condition(control_plane, namespace, "smol", "Tuned") == ("Unknown", "AwaitingMetrics"),
+               what="Tuned=Unknown AwaitingMetrics from the restarted operator")
+    assert {k: v for k, v in tuning().items() if k in memory} == memory
+
+
 def test_the_chart_rbac_sufficed_for_the_pilot(operator: OperatorProcess) -> None:
     """Run last in this module: no request above was refused (pods, the scale subresource,
     HPAs, ConfigMaps, Events, discovery). A status write may conflict only where the pilot wrote

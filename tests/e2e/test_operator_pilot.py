@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import re
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -30,6 +31,7 @@ _lifecycle = load_module(Path(__file__).with_name("test_operator_lifecycle.py"),
 Cluster, cluster, eventually, operator, NS = (_lifecycle.Cluster, _lifecycle.cluster, _lifecycle.eventually,
                                              _lifecycle.operator, _lifecycle.NS)
 SELECTOR = {"app.kubernetes.io/name": "kvpilot", "serving.kvpilot.io/inferenceservice": "smol"}
+RELAYOUT_PAUSE_MS = 12.5  # what a stand-in reports a block-size change paused it for
 FAST_TUNING = {"enabled": True, "interval": "1s", "cooldown": "1s", "minDwell": "1s",
                "canary": {"window": "1s", "timeout": "30s", "minRequests": 1}}
 
@@ -71,7 +73,9 @@ class EnginePod:
         applied = {k: {"old": self.config[k], "new": v} for k, v in changes.items() if self.config[k] != v}
         self.config.update(changes)
         self.metrics.configure(self.config["block_size"], self.config["preemption_mode"], 1000)
-        return aiohttp.web.json_response({"applied": applied, "duration_s": 0.001, "config": self.config})
+        relayout = {"pause_ms": RELAYOUT_PAUSE_MS} if "block_size" in applied else None
+        return aiohttp.web.json_response({"applied": applied, "duration_s": 0.001, "config": self.config,
+                                          "relayout": relayout})
 
     @property
     def settings(self) -> tuple[int, str]:
@@ -196,6 +200,82 @@ async def test_after_an_operator_restart_the_tuned_config_in_status_is_kept_and_
         assert _status(cluster)["tuning"]["config"] == tuned
         await eventually(lambda: json.loads((cluster.get("configmaps", "smol-tuned") or {"data": {"tuned.json": "{}"}})
                                             ["data"]["tuned.json"]).get("block_size") == 8, what="the ConfigMap")
+
+def _outcome(status: dict[str, Any], block_size: int, mode: str) -> dict[str, Any] | None:
+    rows = status.get("tuning", {}).get("outcomes") or []
+    return next((r for r in rows if (r["blockSize"], r["preemptionMode"]) == (block_size, mode)), None)
+
+
+async def test_what_the_tuner_measured_and_the_tuned_config_survive_an_operator_restart(
+        cluster: Any, pods: Any) -> None:
+    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 1,
+            "engine": {"swapSpace": 1}, "autotune": FAST_TUNING}
+    async with operator():
+        await cluster.create_isvc("smol", spec)
+        engines = await pods(["smol-a"])
+        engines["smol-a"].waiting = 150  # pressure: 8/swap is tried, promoted and measured saturated
+        await eventually(lambda: "TuningPromoted" in _reasons(cluster), timeout=40, what="the TuningPromoted Event")
+        await eventually(lambda: (_outcome(_status(cluster), 8, "swap") or {}).get("windows", 0) >= 2,
+                         what="8/swap's measured outcome in status.tuning.outcomes")
+    before = _status(cluster)["tuning"]
+    assert before["config"]["blockSize"] == 8 and before["config"]["preemptionMode"] == "swap"
+    assert "canary" not in before  # promoted: no change is being tried
+    assert before["switchPauses"] == [{"from": {"blockSize": 16, "preemptionMode": "recompute"},
+                                       "to": {"blockSize": 8, "preemptionMode": "swap"},
+                                       "pauseMs": RELAYOUT_PAUSE_MS, "switches": 1}]
+    measured = _outcome(_status(cluster), 8, "swap")
+    assert measured is not None and measured["tokensPerSecond"] > 0
+    posts, canaries = len(engines["smol-a"].posts), _reasons(cluster).count("TuningCanary")
+
+    seen: list[int] = []  # 8/swap's windows in status at every look: a fresh memory would start over at 1
+
+    def added_to() -> bool:
+        seen.append((_outcome(_status(cluster), 8, "swap") or {}).get("windows", 0))
+        return seen[-1] > measured["windows"] + 1
+
+    async with operator():  # a new operator process: only status remembers
+        await eventually(added_to, what="the restarted operator adding to the reloaded outcome")
+        assert min(seen) >= measured["windows"], seen
+        after = _status(cluster)["tuning"]
+        grown = _outcome(_status(cluster), 8, "swap")
+        assert grown is not None and grown["seconds"] > measured["seconds"]
+        assert after["config"] == before["config"] and after["switchPauses"] == before["switchPauses"]
+        assert engines["smol-a"].settings == (8, "swap") and len(engines["smol-a"].posts) == posts
+        assert _reasons(cluster).count("TuningCanary") == canaries
+
+
+async def test_a_restarted_operator_acts_on_the_outcomes_in_status_instead_of_trying_again(
+        cluster: Any, pods: Any) -> None:
+    """Status says that on this service every other configuration got through fewer tokens at
+    capacity than 16/recompute: a burst does not send it to the article's 8/swap again."""
+    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 1,
+            "engine": {"swapSpace": 1}, "autotune": FAST_TUNING}
+    tuned = {"blockSize": 16, "preemptionMode": "recompute", "maxNumSeqs": 256, "maxNumBatchedTokens": 2048,
+             "schedulerPolicy": "fcfs"}
+    outcomes = [{"blockSize": b, "preemptionMode": m, "tokensPerSecond": rate, "spread": 10.0, "seconds": 120.0,
+                 "windows": 12}
+                for b, m, rate in ((8, "recompute", 650.0), (8, "swap", 600.0), (16, "recompute", 1000.0),
+                                   (16, "swap", 700.0))]
+    await cluster.request("POST", _lifecycle.IS_PATH, {
+        "apiVersion": "serving.kvpilot.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "smol", "namespace": NS}, "spec": spec,
+        "status": {"tuning": {"config": tuned, "lastChangeTime": "2026-01-01T00:00:00Z", "outcomes": outcomes}}},
+        "application/json")
+    async with operator():
+        engines = await pods(["smol-a"])
+        engines["smol-a"].waiting = 150
+        await eventually(lambda: "the best measured" in next(
+            (c["message"] for c in _status(cluster).get("conditions", []) if c["type"] == "Tuned"), ""),
+            timeout=20, what="a decision on the reloaded outcomes")
+        tuned_condition = next(c for c in _status(cluster)["conditions"] if c["type"] == "Tuned")
+        assert tuned_condition["reason"] == "ConfigHolds"
+        # the estimate is status's 120 s, with whatever the stand-in has added to it since
+        found = re.search(r"queue depth 150.0 > 100: pressure -> 16/recompute, the best measured \((\d+) tok/s "
+                          r"over (\d+) s\)", tuned_condition["message"])
+        assert found is not None, tuned_condition["message"]
+        assert int(found[2]) >= 120
+        assert engines["smol-a"].posts == [] and "TuningCanary" not in _reasons(cluster)
+
 
 async def test_a_pod_that_refuses_the_admin_call_leaves_the_service_on_its_config(cluster: Any, pods: Any) -> None:
     spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 1,

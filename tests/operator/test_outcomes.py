@@ -1,11 +1,14 @@
-"""The autotuner's memory of measured outcomes, and the policy rules that use it, on recorded
-windows: a configuration measured worse is left or not entered, untried mixes are tried in order,
-a knob that measured within the tolerance is left alone, and calm keeps a configuration that
-measured better than the calm target."""
+"""The autotuner's memory of measured outcomes and switch pauses, and the policy rules that use
+it, on recorded windows: a configuration measured worse is left or not entered, untried mixes are
+tried in order, a knob that measured within the tolerance is left alone, calm keeps a
+configuration that measured better than the calm target, and a switch whose pause costs more
+tokens than it is expected to gain over the dwell is not made. The memory goes through status
+and back unchanged."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -43,9 +46,11 @@ def measured(**rates: float) -> dict[EngineTarget, Estimate]:
 
 
 def decide_on(held: EngineTarget, queue: float, known: dict[EngineTarget, Estimate], spec: TuningSpec = SPEC,
-              limits: EngineLimits = LIMITS) -> tuple[EngineTarget | None, str]:
+              limits: EngineLimits = LIMITS,
+              pauses: dict[tuple[EngineTarget, EngineTarget], float] | None = None) -> tuple[EngineTarget | None, str]:
     window = summary(block_size=held.block_size, mode=held.preemption_mode, num_waiting_seqs=queue)
-    d = decide({"pod-0": window}, config(held), spec, limits, now=10_000.0, last_change=None, measured=known)
+    d = decide({"pod-0": window}, config(held), spec, limits, now=10_000.0, last_change=None, measured=known,
+               pauses=pauses)
     return (None if d.target is None else EngineTarget(d.target.block_size, d.target.preemption_mode)), d.reason
 
 
@@ -170,3 +175,91 @@ def test_a_measured_configuration_the_spec_no_longer_allows_is_ignored() -> None
 def test_without_measurements_the_hysteresis_band_holds_whatever_is_in_force() -> None:
     target, reason = decide_on(B8_REC, 70.0, {})
     assert target is None and "block_size 8, recompute stays" in reason
+
+
+# --- the switch cost ---
+
+DWELL_10 = dataclasses.replace(SPEC, min_dwell_s=10.0)
+
+
+def test_a_switch_whose_pause_costs_more_than_its_gain_over_the_dwell_is_not_made() -> None:
+    known = measured(b16_rec=1000.0, b8_swap=1100.0)  # +100 tok/s: 1,000 tokens over a 10 s dwell
+    assert decide_on(B16_REC, 300.0, known, spec=DWELL_10)[0] == B8_SWAP  # no pause seen yet: free
+    target, reason = decide_on(B16_REC, 300.0, known, spec=DWELL_10, pauses={(B16_REC, B8_SWAP): 2.0})
+    assert target is None
+    assert ("switch cost: 8/swap's expected gain 1000 tokens over the 10 s dwell (+100 tok/s) < the 2000 tokens "
+            "its 2000 ms pause loses at 1000 tok/s: 16/recompute stays") in reason
+    # a longer dwell earns the same pause back
+    target, reason = decide_on(B16_REC, 300.0, known, spec=SPEC, pauses={(B16_REC, B8_SWAP): 2.0})
+    assert target == B8_SWAP and "expected gain 6000 tokens over the 60 s dwell (+100 tok/s) >= the 2000 tokens" \
+        in reason
+
+
+def test_a_short_pause_lets_the_switch_through_with_both_figures_in_the_reason() -> None:
+    known = measured(b16_rec=1000.0, b8_swap=1100.0)
+    target, reason = decide_on(B16_REC, 300.0, known, spec=DWELL_10, pauses={(B16_REC, B8_SWAP): 0.5})
+    assert target == B8_SWAP
+    assert "switch cost: 8/swap's expected gain 1000 tokens over the 10 s dwell (+100 tok/s) >= the 500 tokens " \
+        "its 500 ms pause loses at 1000 tok/s" in reason
+
+
+def test_the_switch_cost_is_weighed_per_direction_and_only_between_measured_configurations() -> None:
+    known = measured(b16_rec=1000.0, b8_swap=1100.0)
+    # the pause of the way back says nothing about this way
+    target, reason = decide_on(B16_REC, 300.0, known, spec=DWELL_10, pauses={(B8_SWAP, B16_REC): 60.0})
+    assert target == B8_SWAP and "switch cost" not in reason
+    # an unmeasured target is a trial: no gain to weigh, the pause does not stop it
+    target, reason = decide_on(B16_REC, 300.0, measured(b16_rec=1000.0), spec=DWELL_10,
+                               pauses={(B16_REC, B8_SWAP): 60.0})
+    assert target == B8_SWAP and "switch cost" not in reason
+
+
+def test_calm_does_not_pay_a_pause_to_return_to_a_target_that_measured_no_better() -> None:
+    known = measured(b16_rec=1000.0, b8_swap=1030.0)  # within the tolerance: calm would go back
+    assert decide_on(B8_SWAP, 0.0, known, spec=DWELL_10)[0] == B16_REC
+    target, reason = decide_on(B8_SWAP, 0.0, known, spec=DWELL_10, pauses={(B8_SWAP, B16_REC): 0.01})
+    assert target is None and "16/recompute's expected gain -300 tokens" in reason and "8/swap stays" in reason
+
+
+# --- kept in status ---
+
+def test_outcomes_and_pauses_go_through_status_and_back_unchanged() -> None:
+    o = Outcomes()
+    for rate, seconds in ((500.0, 10.0), (700.0, 20.0), (640.0, 5.0)):
+        o.observe({"pod-0": summary(block_size=8, mode="swap", duration_s=seconds, num_waiting_seqs=80.0,
+                                    prompt_tokens_per_s=rate, generation_tokens_per_s=0.0)}, T)
+    o.observe({"pod-0": summary(duration_s=30.0, num_waiting_seqs=80.0, prompt_tokens_per_s=900.0,
+                                generation_tokens_per_s=100.0)}, T)
+    o.record_pause(B16_REC, B8_SWAP, 0.020)
+    o.record_pause(B16_REC, B8_SWAP, 0.040)
+    o.record_pause(B8_SWAP, B16_REC, 1.5)
+    status = json.loads(json.dumps({"config": {"blockSize": 8}, **o.to_status()}))  # as the API stores it
+    assert [(r["blockSize"], r["preemptionMode"], r["windows"]) for r in status["outcomes"]] == \
+        [(8, "swap", 3), (16, "recompute", 1)]
+    assert status["switchPauses"][1] == {"from": {"blockSize": 16, "preemptionMode": "recompute"},
+                                         "to": {"blockSize": 8, "preemptionMode": "swap"},
+                                         "pauseMs": 30.0, "switches": 2}
+    back = Outcomes.from_status(status)
+    for target in (B8_SWAP, B16_REC):
+        before, after = o.estimate(target), back.estimate(target)
+        assert before is not None and after is not None
+        assert after.tokens_per_s == pytest.approx(before.tokens_per_s, abs=1e-3)
+        assert after.seconds == pytest.approx(before.seconds) and after.num_windows == before.num_windows
+        assert after.stderr == pytest.approx(before.stderr, rel=1e-3)  # inf for the single window
+    assert back.pauses() == pytest.approx(o.pauses())
+    assert back.to_status() == o.to_status()
+    back.record_pause(B16_REC, B8_SWAP, 0.090)  # a restored mean goes on as if never written
+    assert back.pauses()[(B16_REC, B8_SWAP)] == pytest.approx(0.050)
+
+
+def test_an_unreadable_entry_in_status_is_dropped_not_fatal() -> None:
+    status = {"outcomes": [{"blockSize": 8, "preemptionMode": "swap", "tokensPerSecond": 500.0, "spread": 0.0,
+                            "seconds": 30.0, "windows": 3},
+                           {"blockSize": 12, "preemptionMode": "swap", "tokensPerSecond": 1.0, "spread": 0.0,
+                            "seconds": 30.0, "windows": 3},
+                           {"blockSize": 16, "preemptionMode": "recompute"}],
+              "switchPauses": [{"from": {"blockSize": 8}, "to": {"blockSize": 16, "preemptionMode": "swap"},
+                                "pauseMs": 1.0, "switches": 1}]}
+    back = Outcomes.from_status(status)
+    assert list(back.measured(0.0)) == [B8_SWAP] and back.pauses() == {}
+    assert Outcomes.from_status({}).to_status() == {}

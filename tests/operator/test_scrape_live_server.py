@@ -169,12 +169,15 @@ async def test_the_admin_client_applies_a_change_the_metrics_then_show(
                                   "preemption_mode": {"old": "recompute", "new": "swap"}}
         assert result.config == LiveConfig(8, "swap", 4, before.max_num_batched_tokens, "fcfs")
         assert result.duration_s >= 0
+        # the engine's own account of the block-size change's pause, within the call's duration
+        assert result.relayout_pause_s is not None and 0 <= result.relayout_pause_s <= result.duration_s
         assert await admin.get_config(pod) == result.config
         report = await scraper.scrape([pod])
         assert report.samples["serve-0"].settings.block_size == 8
         assert live_block_size("applied", "serve-0") == 8
         again = await admin.apply(pod, {"block_size": 8, "preemption_mode": "swap"})
         assert again.applied == {} and again.config == result.config  # a repeated POST changes nothing
+        assert again.relayout_pause_s is None  # and re-lays nothing
     finally:
         await admin.apply(pod, {"block_size": before.block_size, "preemption_mode": before.preemption_mode})
 

@@ -84,6 +84,15 @@ def test_recomputing_an_unchanged_status_changes_nothing() -> None:
     assert status_changes(first, again) == {}
 
 
+def test_a_nested_field_that_is_gone_is_sent_as_null_and_then_equals_its_absence() -> None:
+    """A merge patch keeps what it does not name: a canary that ended must be sent as null, or
+    status shows it for ever; once removed, the same null is no change."""
+    stored = {"tuning": {"pods": [], "canary": {"pod": "smol-a"}}}
+    changes = status_changes(stored, {"tuning": {"pods": [], "canary": None}})
+    assert changes == {"tuning": {"pods": [], "canary": None}}
+    assert status_changes({"tuning": {"pods": []}}, {"tuning": {"pods": [], "canary": None}}) == {}
+
+
 def test_invalid_spec_is_degraded() -> None:
     status = invalid_spec_status({}, 4, "bad source", "t")
     assert _by_type(status["conditions"])["Degraded"] == ("True", "InvalidSpec")
