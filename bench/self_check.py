@@ -12,9 +12,11 @@ Each is compared with what was measured the way it was measured:
   answer), so its arrival span and its last requests' latency count as they did. The arrivals
   are the run's own when the file says how bench serve drew them (`workload.seed`,
   `burstiness`), else Poisson draws; the mean over `requests_per_point / num_requests` runs.
-  A request's E2E is drawn as the fleet simulator draws it at that load (every unsaturated
-  point lies at or below the capacity, so no queue forms). A point without its run (a steady
-  rate's throughput) is compared with the steady run's requests / duration.
+  The replica is the fleet simulator's: a request's E2E drawn at the point's load (every
+  unsaturated point lies at or below the capacity, so no queue forms), served on its clock;
+  once the last request is sent, the replica drains as a removed one does (`fleet.drain_s`),
+  so the run's tail is the simulator's drain. A point without its run (a steady rate's
+  throughput) is compared with the steady run's requests / duration.
 A steady simulation's throughput is its offered rate, a finite run's falls short of it by its
 span and tail (20-25% for 300 requests at 16 req/s): comparing those two would fail by
 construction.
@@ -111,8 +113,11 @@ def finite_run_throughput(curve: CapacityCurve, point: CurvePoint, requests: int
         seed, burstiness = curve.arrivals
         replayed = arrival_times(n, point.request_rate, burstiness, np.random.default_rng(seed))
     e2e = curve.percentiles("e2e", point.request_rate)
+    unit = fleet.e2e_p50(curve, point.request_rate)  # the clock reads time / unit while requests arrive
     throughputs = []
     for _ in range(max(1, requests // n)):
         sent = replayed if replayed is not None else arrival_times(n, point.request_rate, 1.0, rng)
-        throughputs.append(n / float(np.max(sent + fleet.sample(e2e, rng.exponential(size=n)))))
+        last = float(sent[-1])
+        work = float(np.max((sent + fleet.sample(e2e, rng.exponential(size=n))) / unit)) - last / unit
+        throughputs.append(n / (last + fleet.drain_s(curve, work, 0.0)))
     return float(np.mean(throughputs))

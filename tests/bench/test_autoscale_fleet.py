@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +161,50 @@ def test_the_finite_run_is_bench_serves_own_arrivals() -> None:
     other_span = float(arrival_times(50, 5.0, 1.0, np.random.default_rng(3))[-1])
     assert 50 / (other_span + 2.0) < finite_run_throughput(other, other.points[0], 50, np.random.default_rng(1)) \
         < 50 / (other_span + 1.0)
+
+
+def test_a_replica_that_stops_receiving_drains_at_the_lowest_loads_speed() -> None:
+    unloaded, at_capacity = fleet.e2e_p50(CURVE, 0.0), fleet.e2e_p50(CURVE, CURVE.capacity)
+    assert unloaded == pytest.approx(1.823) and at_capacity > 1.5 * unloaded
+    # its last request 1.5 P50s from done: 1.5 of the lowest load's P50s, not of the load it arrived at
+    assert fleet.drain_s(CURVE, 1.5, 0.0) == pytest.approx(1.5 * unloaded)
+    # behind a queue of 24 requests: 2 s at the capacity (12 req/s), at its speed, then the rest unloaded
+    done_in_queue = 2.0 / at_capacity
+    assert fleet.drain_s(CURVE, 1.5, 24.0) == pytest.approx(2.0 + (1.5 - done_in_queue) * unloaded)
+    assert fleet.drain_s(CURVE, 0.4, 24.0) == pytest.approx(0.4 * at_capacity)  # done while the queue drains
+
+
+def test_a_finite_runs_tail_is_the_drain_not_the_loaded_latency() -> None:
+    # 300 requests at 11 req/s, where the E2E P50 is 3.9 s and the P99 10.6 s: once the last is sent,
+    # what is left runs at the unloaded speed (P50 1.8 s), so the run ends within ~1.8 P50s of it
+    point = dataclasses.replace(CURVE.points[-1], num_requests=300, duration_s=30.0)
+    assert point.request_rate == 11 and fleet.e2e_p50(CURVE, 11) == pytest.approx(3.893)
+    span = float(arrival_times(300, 11.0, 1.0, np.random.default_rng(0))[-1])
+    curve = parse_curve({"workload": {"seed": 0, "burstiness": 1.0}, "points": json.loads(
+        (Path(__file__).parent / "data" / "example-capacity-curve.json").read_text())["points"]})
+    throughput = finite_run_throughput(curve, point, 3000, np.random.default_rng(1))
+    assert 300 / (span + 2 * 1.823) < throughput < 300 / (span + 1.823)
+
+
+@pytest.mark.parametrize("name", ["h200"])
+def test_the_measured_curves_finite_runs_pass_the_self_check(name: str) -> None:
+    # the drain is what makes the 32 req/s run's throughput match (23.2 req/s measured; 19.7
+    # simulated when every request ran at the offered rate's speed to the end)
+    curve = load_curve(ROOT / "benchmarks" / "data" / f"autoscale-capacity-curve-{name}.json")
+    check = self_check(curve, dataclasses.replace(CONFIG, slo_ttft_s=0.5), requests_per_point=5000)
+    assert check.passed, check.describe()
+    assert max(r.errors["throughput"] for r in check.rows) < 0.03
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_scaled_down_replica_drains_faster_than_its_load_served(seed: int) -> None:
+    # four replicas at 6 req/s each, where a request takes 2.5 s (P50); at a KV target of 0.9 one
+    # goes after the 300 s stabilization, and what it holds then runs at the unloaded speed
+    spec = ScalingSpec(enabled=True, metric="kvCacheUsage", target=0.9, max_replicas=20)
+    sim = fleet._Simulation(CURVE, steady(24.0, 900), Policy("kv", spec, SCRAPES, 4),
+                            dataclasses.replace(CONFIG, seed=seed), False, None)
+    result = sim.run()
+    (removed,) = [r for r in sim.replicas if r.removed_at is not None]
+    drain = float(sim.busy_until[removed.slot]) - removed.removed_at
+    assert 0 < drain < fleet.e2e_p50(CURVE, 6.0) == pytest.approx(2.478)
+    assert result.replica_seconds == pytest.approx(3 * 900 + removed.removed_at + drain)
