@@ -18,7 +18,7 @@ import torch
 from kvpilot.kernels import ops as kernel_ops
 from kvpilot.runtime.config import BLOCK_SIZES, EngineConfig
 from kvpilot.runtime.executor import kv_cache
-from kvpilot.runtime.executor.batch import to_tensors
+from kvpilot.runtime.executor.batch import fill_pending, to_device, to_tensors
 from kvpilot.runtime.executor.cpu_linear import pack_linears
 from kvpilot.runtime.executor.cuda_graphs import DecodeGraphs, GraphsBySize, model_forward
 from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
@@ -26,7 +26,7 @@ from kvpilot.runtime.executor.kv_cache import KVCacheLayout
 from kvpilot.runtime.executor.loader import load_model, resolve_dtype
 from kvpilot.runtime.executor.models.llama import cos_sin_cache
 from kvpilot.runtime.executor.parallel import TPInfo
-from kvpilot.runtime.executor.sampler import SampleResult, sample
+from kvpilot.runtime.executor.sampler import DeviceSample, SampleResult, sample_on_device
 from kvpilot.runtime.executor.swap import MAX_STAGING_BYTES, SwapSpace, SwapStats
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class ModelRunner:
         self.swap_space = SwapSpace(self.kv_caches, self.layout.swap_capacity_tokens * self.layout.bytes_per_token)
         self._graph_sets = GraphsBySize()
         self._generators: dict[int, torch.Generator] = {}  # seeded sequences' own random streams
+        self._sampled: torch.Tensor | None = None  # the latest step's sampled tokens, on the device
         self._capture_graphs()
 
     @property
@@ -271,28 +272,38 @@ class ModelRunner:
             self.swap_space.before_forward()  # blocks swapped in by earlier steps are resident
         hidden = None
         if self.graphs is not None and inputs.is_decode_only:
-            hidden = self.graphs.run(inputs)
+            hidden = self.graphs.run(inputs, self._sampled)
         if hidden is None:
             input_ids, positions, meta = to_tensors(inputs, self.device)
+            fill_pending(input_ids, inputs, self._sampled)
             plan = self.ops.plan(meta, positions, self.rope, self.block_size)
             hidden = self.model(input_ids, self.kv_caches, plan, self.ops)
         if not inputs.logits_rows:
             return None
-        rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=self.device)
+        rows = to_device(inputs.logits_rows, torch.long, self.device)
         return self.model.compute_logits(hidden[rows])
 
-    @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> SampleResult:
         """Run one step and sample a token for each of its sampling rows, in order."""
+        sampled = self.launch(inputs)
+        return sampled.result() if sampled is not None else SampleResult(token_ids=[], logprobs=[])
+
+    @torch.inference_mode()
+    def launch(self, inputs: StepInputs) -> DeviceSample | None:
+        """Queue one step and its sampling on the device without waiting for either (on a GPU):
+        the host may prepare the next step meanwhile, whose pending tokens (inputs.py) come from
+        this step's samples. None when nothing samples."""
         for seq_id in inputs.finished_seq_ids:
             self._generators.pop(seq_id, None)
         if self.tp.size > 1:  # the other ranks need only the model's inputs
             self.tp.broadcast(("step", dataclasses.replace(inputs, sampling_rows=[], finished_seq_ids=[])))
         logits = self._run(inputs)
-        if logits is None:
-            return SampleResult(token_ids=[], logprobs=[])
-        rows = inputs.sampling_rows
-        return sample(logits, rows, [self._generator(row) for row in rows])
+        sampled = None
+        if logits is not None:
+            rows = inputs.sampling_rows
+            sampled = sample_on_device(logits, rows, [self._generator(row) for row in rows])
+        self._sampled = sampled.token_ids if sampled is not None else None
+        return sampled
 
     def _generator(self, row: SamplingRow) -> torch.Generator | None:
         """A seeded sequence's generator, made on its first sample: its draws then depend only on
