@@ -4,7 +4,7 @@ pass and samples. It knows nothing of the scheduler's sequences; the random gene
 sequences live here, keyed by sequence id.
 
 Under tensor parallelism every rank has a runner over its slice of the model and KV cache; rank
-0's `execute` broadcasts the step's inputs and the other ranks' `follow` loop runs them.
+0's `launch` broadcasts the step's inputs and the other ranks' `follow` loop runs them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvpilot.runtime.executor.kv_cache import KVCacheLayout
 from kvpilot.runtime.executor.loader import load_model, resolve_dtype
 from kvpilot.runtime.executor.models.llama import cos_sin_cache
 from kvpilot.runtime.executor.parallel import TPInfo
-from kvpilot.runtime.executor.sampler import DeviceSample, SampleResult, sample_on_device
+from kvpilot.runtime.executor.sampler import DeviceSample, sample_on_device
 from kvpilot.runtime.executor.swap import MAX_STAGING_BYTES, SwapSpace, SwapStats
 
 logger = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ class ModelRunner:
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Issue this step's copies of (device, host) block pairs out to the swap space and (host,
         device) pairs back in (swap.py: they overlap the forward pass). Call once every step, before
-        `execute`, even with no pairs: the swap space counts steps by these calls."""
+        `launch`, even with no pairs: the swap space counts steps by these calls."""
         assert self.swap_space is not None
         if self.tp.size > 1 and self.tp.rank == 0 and (swap_out or swap_in or self.swap_space.has_unmarked_swap_in):
             self.tp.broadcast(("swap", (swap_out, swap_in)))
@@ -283,16 +283,11 @@ class ModelRunner:
         rows = to_device(inputs.logits_rows, torch.long, self.device)
         return self.model.compute_logits(hidden[rows])
 
-    def execute(self, inputs: StepInputs) -> SampleResult:
-        """Run one step and sample a token for each of its sampling rows, in order."""
-        sampled = self.launch(inputs)
-        return sampled.result() if sampled is not None else SampleResult(token_ids=[], logprobs=[])
-
     @torch.inference_mode()
     def launch(self, inputs: StepInputs) -> DeviceSample | None:
-        """Queue one step and its sampling on the device without waiting for either (on a GPU):
-        the host may prepare the next step meanwhile, whose pending tokens (inputs.py) come from
-        this step's samples. None when nothing samples."""
+        """Queue one step and its sampling (a token for each sampling row, in order) on the device
+        without waiting for either (on a GPU): the host may prepare the next step meanwhile, whose
+        pending tokens (inputs.py) come from this step's samples. None when nothing samples."""
         for seq_id in inputs.finished_seq_ids:
             self._generators.pop(seq_id, None)
         if self.tp.size > 1:  # the other ranks need only the model's inputs

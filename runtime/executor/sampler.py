@@ -61,25 +61,25 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p for random rows; returns probabilities."""
     device = logits.device
-    temps = torch.tensor([r.params.temperature for r in rows], device=device)
+    temps = to_device([r.params.temperature for r in rows], torch.float32, device)
     logits = logits / temps[:, None]
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device)
+        k = to_device([k if k > 0 else vocab for k in top_k], torch.long, device)
         ranks = torch.arange(vocab, device=device)[None, :]
         remove = ranks >= k[:, None]
         probs_sorted = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
         cum = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass strictly before each token
-        remove |= cum >= torch.tensor(top_p, device=device)[:, None]
+        remove |= cum >= to_device(top_p, torch.float32, device)[:, None]
         remove[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     if any(r.params.min_p > 0 for r in rows):
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+        min_p = to_device([r.params.min_p for r in rows], torch.float32, device)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
