@@ -441,7 +441,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         token_ids, logprobs = result.token_ids, result.logprobs
         tokenizer = self.tokenizer if self.detokenize else None
-        sample_index = num_prompt_tokens = 0
+        sample_index = num_prompt_tokens = num_generated = 0
         for s in launched.sched.scheduled:
             if not s.samples:
                 continue
@@ -450,6 +450,7 @@ class LLMEngine:
             sample_index += 1
             if seq.is_finished:
                 continue
+            num_generated += 1
             token = token_ids[i]
             lp = logprobs[i]
             seq.num_pending_tokens -= 1
@@ -475,7 +476,7 @@ class LLMEngine:
             elif finished_only:
                 continue
             outputs.append(self.make_output(request))
-        return _Resolved(outputs, num_prompt_tokens, sample_index)
+        return _Resolved(outputs, num_prompt_tokens, num_generated)
 
     def _record_logprobs(self, seq: Sequence, token: int, lp: tuple[float, int, list[tuple[int, float]]]) -> None:
         value, rank, top = lp

@@ -86,4 +86,4 @@ def fill_pending(input_ids: torch.Tensor, inputs: StepInputs, sampled: torch.Ten
         raise RuntimeError("a step has pending tokens but the previous step sampled none")
     k = len(inputs.pending_rows)
     index = to_device(inputs.pending_rows + inputs.pending_samples, torch.long, input_ids.device)  # one copy
-    input_ids[index[:k]] = sampled[index[k:]]
+    input_ids.index_copy_(0, index[:k], sampled.index_select(0, index[k:]))
