@@ -183,6 +183,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())
         # False in `kvpilot serve`'s engine core: the API process detokenizes and checks stop strings
         self.detokenize = True
+        # resolved from the config; switching it between steps is safe (a step in flight is then
+        # postprocessed by the next `step()`), which lets a benchmark compare both in one engine
         self.async_scheduling = config.async_scheduling
         self._in_flight: _Launched | None = None  # async scheduling: the step the device runs
         self._drained = _Resolved()  # a step postprocessed between steps: out with the next `step()`
