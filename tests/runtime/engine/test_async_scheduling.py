@@ -44,6 +44,16 @@ def test_the_default_is_on_with_cuda_only() -> None:
         EngineConfig(model, scheduler=forced, device=DeviceConfig(device="cuda", tensor_parallel_size=2))
 
 
+@pytest.mark.parametrize("flags,wanted", [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)])
+def test_the_flag_reaches_the_scheduler_config(flags: list[str], wanted: bool | None) -> None:
+    from kvpilot.runtime.args import EngineArgs
+    from kvpilot.runtime.cli import build_parser
+
+    args = EngineArgs.from_cli(build_parser().parse_args(["serve", *flags]))
+    assert args.async_scheduling is wanted
+    assert args.create_engine_config().scheduler.async_scheduling is wanted
+
+
 def test_a_mixed_batch_gives_what_the_synchronous_engine_gives(smol_llm: LLM) -> None:
     """One batch of every kind of request, some ending at EOS mid-batch while others run on; the
     same engine with async scheduling off, then on (a switch between steps, as no setting does)."""
