@@ -84,6 +84,10 @@ def fill_pending(input_ids: torch.Tensor, inputs: StepInputs, sampled: torch.Ten
         return
     if sampled is None:
         raise RuntimeError("a step has pending tokens but the previous step sampled none")
-    k = len(inputs.pending_rows)
-    index = to_device(inputs.pending_rows + inputs.pending_samples, torch.long, input_ids.device)  # one copy
+    rows, samples = inputs.pending_rows, inputs.pending_samples
+    k = len(rows)
+    if rows[-1] == k - 1 and rows == samples:  # rows 0..k-1 (they ascend), in the order they sampled: most decodes
+        input_ids[:k].copy_(sampled[:k])
+        return
+    index = to_device(rows + samples, torch.long, input_ids.device)  # one copy
     input_ids.index_copy_(0, index[:k], sampled.index_select(0, index[k:]))

@@ -43,5 +43,8 @@ def test_pending_tokens_are_filled_from_the_previous_steps_samples() -> None:
     input_ids, _, _ = to_tensors(inputs, "cpu")
     fill_pending(input_ids, inputs, torch.tensor([40, 41, 42]))
     assert input_ids.tolist() == [5, 42, 7, 40]
+    inputs.pending_rows, inputs.pending_samples = [0, 1], [0, 1]  # a decode step in its samples' order
+    fill_pending(input_ids, inputs, torch.tensor([50, 51, 52]))
+    assert input_ids.tolist() == [50, 51, 7, 40]
     with pytest.raises(RuntimeError, match="sampled none"):
         fill_pending(input_ids, inputs, None)
