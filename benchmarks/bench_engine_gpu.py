@@ -3,10 +3,15 @@ batch sizes, the median decode step against its bandwidth floor (weights + the K
 at the copy rate measured in the same run). Correctness on CUDA is tests/runtime/test_gpu_engine.py.
 
 Each batch size runs with decode CUDA graphs and then without them in the same engine (forward_ms:
-the device span of the forward pass; the rest of a step is the host's scheduling and sampling).
+the device span of the forward pass; the rest of a step is the host's scheduling and sampling), and
+with decode graphs both with async scheduling (the host prepares step N+1 while the device runs
+step N: engine.py) and without, switched in the same engine. A step's time is the span between two
+`step()` returns, with no synchronisation added, so under async scheduling it is the pipeline's
+period.
 
 Usage (GPU): PYTHONSAFEPATH=1 python3 benchmarks/bench_engine_gpu.py [--batches 1 32 128 256] [--out FILE]
                  [--enforce-eager]  (an engine without graphs: eager rows only)
+                 [--async-scheduling both|on|off]  (default both)
 """
 
 from __future__ import annotations
@@ -38,10 +43,11 @@ def copy_rate() -> float:
     return 4 * (1 << 29) / (ms * 1e-3)
 
 
-def throughput(batches: list[int], rate: float, enforce_eager: bool = False) -> list[dict[str, float | str]]:
-    """Each batch size runs twice in the same engine, with the decode graphs and then without
-    (the runner's graphs set aside), so both modes see the same host; --enforce-eager runs only
-    the second."""
+def throughput(batches: list[int], rate: float, enforce_eager: bool = False,
+               async_modes: tuple[bool, ...] = (True, False)) -> list[dict[str, float | str | bool]]:
+    """Each batch size runs in the same engine with the decode graphs, under each of `async_modes`,
+    then without graphs (the runner's graphs set aside), so every mode sees the same host;
+    --enforce-eager runs only the eager rows."""
     started = time.perf_counter()
     llm = LLM("llama-3-8b", load_format="dummy", device="cuda", max_model_len=PROMPT_LEN + NEW_TOKENS + 16,
               max_num_seqs=max(batches), max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
@@ -58,21 +64,28 @@ def throughput(batches: list[int], rate: float, enforce_eager: bool = False) -> 
     for batch in batches:
         # one decode step reads every weight and, on average, half the generated context's KV once
         floor = (weight_bytes + batch * (PROMPT_LEN + NEW_TOKENS // 2) * kv_per_token) / rate
-        for mode in ("graphs", "eager") if graphs is not None else ("eager",):
+        runs = [("graphs", a) for a in async_modes] if graphs is not None else []
+        runs.append(("eager", async_modes[0]))
+        for mode, overlap in runs:
             runner.graphs = graphs if mode == "graphs" else None
+            llm.engine.async_scheduling = overlap  # between steps, with nothing in flight
             prompts = [[rng.randrange(1000, 100000) for _ in range(PROMPT_LEN)] for _ in range(batch)]
-            row = decode_steps(llm, prompts, forward_ms, f"{mode}-{batch}")
-            rows.append({"batch": batch, "mode": mode, **row, "floor_ms": floor * 1e3,
+            row = decode_steps(llm, prompts, forward_ms, f"{mode}-{overlap}-{batch}")
+            rows.append({"batch": batch, "mode": mode, "async_scheduling": overlap, **row, "floor_ms": floor * 1e3,
                          "of_floor": floor * 1e3 / row["decode_step_ms"]})
             print(json.dumps(rows[-1]), flush=True)
     runner.graphs = graphs
     return rows
 
 
-def timed_forward(runner: ModelRunner) -> list[float]:
-    """Wrap the runner's forward pass (`_run`) so each call appends its device time in ms (CUDA
-    events around it: from its first launch to its last, host gaps included)."""
-    times: list[float] = []
+Span = tuple[torch.cuda.Event, torch.cuda.Event]
+
+
+def timed_forward(runner: ModelRunner) -> list[Span]:
+    """Wrap the runner's forward pass (`_run`) so each call appends a pair of CUDA events around it
+    (its device span, from its first launch to its last, host gaps included), read only after the
+    run: waiting for them here would serialise the host with the device."""
+    spans: list[Span] = []
     inner = runner._run
 
     def run(inputs: StepInputs) -> torch.Tensor | None:
@@ -80,37 +93,41 @@ def timed_forward(runner: ModelRunner) -> list[float]:
         begin.record()
         out = inner(inputs)
         end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
+        spans.append((begin, end))
         return out
 
     runner._run = run  # type: ignore[method-assign]
-    return times
+    return spans
 
 
-def decode_steps(llm: LLM, prompts: list[list[int]], forward_ms: list[float], tag: str) -> dict[str, float]:
+def decode_steps(llm: LLM, prompts: list[list[int]], forward_spans: list[Span], tag: str) -> dict[str, float]:
     """Run the prompts to NEW_TOKENS tokens each; output tok/s over the whole run, and the median
-    step time and forward time of the steps that decode the whole batch."""
+    step time (between two `step()` returns) and forward time of the steps that decode the whole
+    batch."""
     engine, batch = llm.engine, len(prompts)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
-    steps, forwards = [], []
+    steps: list[float] = []
+    kept: list[Span] = []
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    start = last = time.perf_counter()
     while engine.has_unfinished_requests():
-        t = time.perf_counter()
-        forward_ms.clear()
+        forward_spans.clear()
         engine.step()
-        torch.cuda.synchronize()
+        now = time.perf_counter()
         stats = engine.last_step
-        if stats is not None and stats.num_prompt_tokens == 0 and stats.num_generation_tokens == batch:
-            steps.append(time.perf_counter() - t)
-            forwards.extend(forward_ms)
+        # a full-batch decode: delivered by this call (async: the step before) and queued by it
+        if (stats is not None and stats.num_prompt_tokens == 0 and stats.num_generation_tokens == batch
+                and stats.num_batched_tokens == batch):
+            steps.append(now - last)
+            kept.extend(forward_spans)
+        last = now
     elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
     step = statistics.median(steps)
     return {"output_tok_s": batch * NEW_TOKENS / elapsed, "decode_step_ms": step * 1e3,
-            "forward_ms": statistics.median(forwards), "decode_tok_s": batch / step}
+            "forward_ms": statistics.median(b.elapsed_time(e) for b, e in kept), "decode_tok_s": batch / step}
 
 
 def main() -> None:
@@ -118,12 +135,15 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128, 256])
     parser.add_argument("--out", type=Path, help="also write the rows here as JSON")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--async-scheduling", choices=("both", "on", "off"), default="both",
+                        help="decode-graph rows with async scheduling, without, or both (switched in one engine)")
     args = parser.parse_args()
+    async_modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.async_scheduling]
     rate = copy_rate()
     head = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_TBps": rate / 1e12,
             "cuda_graphs": not args.enforce_eager}
     print(json.dumps(head), flush=True)
-    rows = throughput(args.batches, rate, args.enforce_eager)
+    rows = throughput(args.batches, rate, args.enforce_eager, async_modes)
     if args.out:
         args.out.write_text(json.dumps({**head, "rows": rows}, indent=1))
 

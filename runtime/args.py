@@ -52,6 +52,7 @@ class EngineArgs:
     fair_prompt_weight: float = 1.0
     fair_output_weight: float = 2.0
     max_queue_len: int | None = None
+    async_scheduling: bool | None = None  # None: on with CUDA, off on the CPU
     device: str = "auto"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
@@ -105,6 +106,7 @@ class EngineArgs:
             fair_prompt_weight=self.fair_prompt_weight,
             fair_output_weight=self.fair_output_weight,
             max_queue_len=self.max_queue_len,
+            async_scheduling=self.async_scheduling,
         )
         dev = DeviceConfig(device=device, enforce_eager=self.enforce_eager,
                            tensor_parallel_size=self.tensor_parallel_size)
@@ -238,6 +240,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="fair policy: the cost of a generated token in a tenant's counter (default: %(default)s, "
                         "as in Sheng et al.: output costs more)")
     g.add_argument("--max-queue-len", type=_positive_int, default=None)
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                   help="schedule and prepare each step while the device still runs the previous one "
+                        "(default: on with CUDA without tensor parallelism, off on the CPU)")
     g = parser.add_argument_group("device")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

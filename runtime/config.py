@@ -69,6 +69,9 @@ class SchedulerConfig:
     priority_aging_s: float = 10.0  # priority: seconds of waiting worth one priority level (policies.py)
     fair_prompt_weight: float = 1.0  # fair: a prompt token's cost in a tenant's counter
     fair_output_weight: float = 2.0  # fair: a generated token's cost (Sheng et al.: output costs more)
+    # prepare step N+1 on the host while the device runs step N (engine.py); None: on with CUDA,
+    # off on the CPU, where ops run as they are called and the overlap would only delay outputs
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
@@ -104,3 +107,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self) -> None:
+        _check(not (self.scheduler.async_scheduling and self.device.tensor_parallel_size > 1), "async_scheduling",
+               "is not supported with tensor parallelism (the other ranks would need the sampled tokens)")
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether the engine overlaps its host work with the device's (the resolved default)."""
+        if self.scheduler.async_scheduling is not None:
+            return self.scheduler.async_scheduling
+        return self.device.device == "cuda" and self.device.tensor_parallel_size == 1

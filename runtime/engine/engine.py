@@ -1,8 +1,21 @@
 """`LLMEngine`: requests in, outputs out, one step at a time.
 
 A step is three visible calls: `scheduler.schedule()` decides which sequences advance and by how
-many tokens, `runner.execute()` computes them and samples, `_postprocess()` appends tokens,
+many tokens, `runner.launch()` computes them and samples, `_postprocess()` appends tokens,
 detokenizes, applies stop conditions and frees what finished.
+
+*Async scheduling* (`SchedulerConfig.async_scheduling`, on by default with CUDA) overlaps the
+host's work with the device's: `step()` schedules step N+1 and queues it on the device while step N
+still runs there, and only then waits for N's sampled tokens and postprocesses them, returning N's
+outputs. A sequence that sampled in step N counts its token as *pending* (sequence.py) and runs
+on in N+1, whose inputs take that token from N's samples on the device. What N's tokens decide
+arrives one step late: a sequence that N ends (EOS, stop token or string) has also run in N+1, and
+that token is dropped; one that N's token certainly ends (max_tokens, max_model_len: known on the
+host) is not scheduled again. Frees stay safe without waiting, as the device runs the steps (and
+the swap copies, swap.py) in the order they are queued. Where the host needs every token first,
+the step in flight is *drained* (postprocessed before the next is queued): sampling with
+penalties or min_tokens (they read the token history) and live config changes; its outputs come
+out with the next `step()`.
 """
 
 from __future__ import annotations
@@ -31,8 +44,9 @@ from kvpilot.runtime.engine.step_inputs import build_step_inputs
 from kvpilot.runtime.engine.tokenizer import Tokenizer, encode_prompt
 from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.executor import kv_cache
+from kvpilot.runtime.executor.inputs import StepInputs
 from kvpilot.runtime.executor.model_runner import ModelRunner
-from kvpilot.runtime.executor.sampler import SampleResult
+from kvpilot.runtime.executor.sampler import DeviceSample, SampleResult
 from kvpilot.runtime.executor.worker import Workers
 from kvpilot.runtime.outputs import Logprob, RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
@@ -49,7 +63,8 @@ LIVE_TUNABLES = {
 
 @dataclass
 class StepStats:
-    """What one step did, for metrics and logs."""
+    """What one `step()` call did, for metrics and logs: what it scheduled (tokens, preemptions,
+    copies) and the tokens it delivered (with async scheduling, the step before's)."""
 
     duration_s: float
     num_batched_tokens: int
@@ -63,6 +78,28 @@ class StepStats:
     swap_out_seconds: float = 0.0
     swap_in_seconds: float = 0.0
     served_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # tenant -> [prompt, generated]
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device whose sampled tokens the host has not seen yet."""
+
+    sched: SchedulerOutput
+    sampled: DeviceSample | None  # None: nothing sampled
+
+
+@dataclass
+class _Resolved:
+    """What postprocessing one or more steps gave: their outputs and the tokens they delivered."""
+
+    outputs: list[RequestOutput] = dataclasses.field(default_factory=list)
+    num_prompt_tokens: int = 0  # prompts of the sequences that got their first token
+    num_generation_tokens: int = 0
+
+    def add(self, other: _Resolved) -> None:
+        self.outputs += other.outputs
+        self.num_prompt_tokens += other.num_prompt_tokens
+        self.num_generation_tokens += other.num_generation_tokens
 
 
 P = ParamSpec("P")
@@ -147,6 +184,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())
         # False in `kvpilot serve`'s engine core: the API process detokenizes and checks stop strings
         self.detokenize = True
+        # resolved from the config; switching it between steps is safe (a step in flight is then
+        # postprocessed by the next `step()`), which lets a benchmark compare both in one engine
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: _Launched | None = None  # async scheduling: the step the device runs
+        self._drained = _Resolved()  # a step postprocessed between steps: out with the next `step()`
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.runner.num_blocks,
                     config.cache.block_size, self.runner.num_blocks * self.runner.bytes_per_block / (1 << 30))
 
@@ -200,11 +242,21 @@ class LLMEngine:
                 continue
             if not seq.is_finished:
                 seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
-            self._finished_seq_ids.append(seq.seq_id)
+                self._finish(seq)
+            else:
+                self._finished_seq_ids.append(seq.seq_id)
+
+    def _finish(self, seq: Sequence) -> None:
+        """End a sequence: its blocks are freed (a step in flight still writing them runs before any
+        later step that reuses them) and a token it may still have pending is dropped."""
+        self.scheduler.finish(seq)
+        seq.num_pending_tokens = 0
+        seq.ends_when_resolved = False
+        self._finished_seq_ids.append(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests remain, or outputs that the next `step()` returns (a drained step's)."""
+        return bool(self.requests) or bool(self._drained.outputs)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -239,6 +291,8 @@ class LLMEngine:
             if type(value) is not type(before[name]):
                 raise ValueError(f"{name}: expected {type(before[name]).__name__}, got {value!r}")
         wanted = {k: v for k, v in changes.items() if before[k] != v}
+        if wanted:
+            self._drain()  # the changes (a re-cut above all) meet no token in flight
         sched_fields = {("policy" if k == "scheduler_policy" else k): v for k, v in wanted.items()
                         if LIVE_TUNABLES[k] == "scheduler"}
         cache = self.config.cache
@@ -329,30 +383,41 @@ class LLMEngine:
     @_fails_with_workers
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one step; the output of each request it advanced (`finished_only`: of each request
-        it finished, as `LLM.generate` needs, which saves building the others' every step)."""
+        it finished, as `LLM.generate` needs, which saves building the others' every step). With
+        async scheduling the outputs are those of the step before, which the device ran while this
+        one was scheduled and queued."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         # every step, even without copies: the runner orders copies in flight by these calls
         self.runner.swap_blocks(sched.swap_out, sched.swap_in)
-        if sched.is_empty and not sched.preempted and not sched.swap_in:
-            self.last_step = None
-            return []
-        outputs: list[RequestOutput] = []
-        num_sampled = num_prompt_tokens = 0
+        previous, self._in_flight = self._in_flight, None
+        done, self._drained = self._drained, _Resolved()
+        launched = None
         if not sched.is_empty:
             inputs = build_step_inputs(sched.scheduled, self.block_manager.block_size, self.eos_token_ids,
                                        self._finished_seq_ids)
             self._finished_seq_ids = []
-            result = self.runner.execute(inputs)
-            num_sampled = len(inputs.sampling_rows)
-            outputs, num_prompt_tokens = self._postprocess(sched, result, finished_only)
+            if previous is not None and _reads_token_history(inputs):
+                done.add(self._postprocess(previous, finished_only))
+                previous = None
+            launched = self._launch(sched, inputs)
+        if previous is not None:  # the device ran it while this step was prepared
+            done.add(self._postprocess(previous, finished_only))
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                done.add(self._postprocess(launched, finished_only))
+        if sched.is_empty and not sched.preempted and not sched.swap_in and not done.num_generation_tokens:
+            self.last_step = None
+            return []
         block_bytes = self.runner.bytes_per_block
         swap = self.runner.take_swap_stats()
         self.last_step = StepStats(
             duration_s=time.perf_counter() - start,
             num_batched_tokens=sched.num_batched_tokens,
-            num_prompt_tokens=num_prompt_tokens,
-            num_generation_tokens=num_sampled,
+            num_prompt_tokens=done.num_prompt_tokens,
+            num_generation_tokens=done.num_generation_tokens,
             num_preemptions=len(sched.preempted),
             num_swapped_out=sched.num_swapped_out,
             swap_out_bytes=len(sched.swap_out) * block_bytes,
@@ -361,31 +426,62 @@ class LLMEngine:
             swap_in_seconds=swap.seconds_in,
             served_tokens=sched.served_tokens,
         )
-        return outputs
+        return done.outputs
 
-    def _postprocess(self, sched: SchedulerOutput, result: SampleResult,
-                     finished_only: bool = False) -> tuple[list[RequestOutput], int]:
-        """Advance the scheduled sequences by their tokens and append what they sampled; the
-        outputs of the requests touched (or finished) and the prompt tokens of the sequences that
-        got their first token."""
+    def _launch(self, sched: SchedulerOutput, inputs: StepInputs) -> _Launched:
+        """Queue the step on the device, then move the host's view on as if it had run: the
+        scheduled tokens count as computed and each sampled token as pending, so the next step can
+        be scheduled before this one's tokens are known."""
+        sampled = self.runner.launch(inputs)
+        now = time.time()
+        max_len = self.config.model.max_model_len
+        sample_index = 0
+        for s in sched.scheduled:
+            seq = s.seq
+            if seq.is_finished:  # ended by the step drained just before this one was queued
+                sample_index += s.samples
+                continue
+            seq.num_computed_tokens += s.num_new_tokens
+            metrics = seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                self._unscheduled.discard(seq.request.request_id)
+            if s.samples:
+                seq.num_pending_tokens += 1
+                seq.pending_sample = sample_index
+                sample_index += 1
+                seq.ends_when_resolved = _reaches_length(seq, seq.num_tokens, max_len)
+        return _Launched(sched, sampled)
+
+    def _drain(self) -> None:
+        """Postprocess the step in flight now (before a change that must meet no pending token);
+        its outputs come out with the next `step()`."""
+        if self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            self._drained.add(self._postprocess(launched))
+
+    def _postprocess(self, launched: _Launched, finished_only: bool = False) -> _Resolved:
+        """Append what the step sampled (waiting for it) to its sequences, detokenize and apply stop
+        conditions; the outputs of the requests touched (or finished). A sequence that ended
+        meanwhile (an earlier step's token, an abort) drops its token."""
+        result = launched.sampled.result() if launched.sampled is not None else SampleResult([], [])
         now = time.time()
         touched: dict[str, Request] = {}
         token_ids, logprobs = result.token_ids, result.logprobs
         tokenizer = self.tokenizer if self.detokenize else None
-        sample_index = num_prompt_tokens = 0
-        for s in sched.scheduled:
-            seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
-            request = seq.request
-            metrics = request.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-                self._unscheduled.discard(request.request_id)
+        sample_index = num_prompt_tokens = num_generated = 0
+        for s in launched.sched.scheduled:
             if not s.samples:
                 continue
-            token = token_ids[sample_index]
-            lp = logprobs[sample_index]
+            seq = s.seq
+            i = sample_index
             sample_index += 1
+            if seq.is_finished:
+                continue
+            num_generated += 1
+            token = token_ids[i]
+            lp = logprobs[i]
+            seq.num_pending_tokens -= 1
             seq.token_ids.append(token)
             if len(seq.token_ids) - seq.num_prompt_tokens == 1:
                 num_prompt_tokens += seq.num_prompt_tokens
@@ -393,13 +489,13 @@ class LLMEngine:
                 self._record_logprobs(seq, token, lp)
             new_text = tokenizer.detokenize_step(seq) if tokenizer is not None else ""
             self._check_stop(seq, token, len(new_text))
+            metrics = seq.request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-                self._finished_seq_ids.append(seq.seq_id)
-            touched[request.request_id] = request
+                self._finish(seq)
+            touched[seq.request.request_id] = seq.request
         outputs = []
         for request in touched.values():
             if request.is_finished:
@@ -408,7 +504,7 @@ class LLMEngine:
             elif finished_only:
                 continue
             outputs.append(self.make_output(request))
-        return outputs, num_prompt_tokens
+        return _Resolved(outputs, num_prompt_tokens, num_generated)
 
     def _record_logprobs(self, seq: Sequence, token: int, lp: tuple[float, int, list[tuple[int, float]]]) -> None:
         value, rank, top = lp
@@ -431,9 +527,24 @@ class LLMEngine:
                 return
             if p.stop_strings and num_new_chars and cut_stop_string(seq, num_new_chars):
                 return
-        max_len = self.config.model.max_model_len
-        if (p.max_tokens is not None and num_out >= p.max_tokens) or seq.num_tokens >= max_len:
+        if _reaches_length(seq, len(seq.token_ids), self.config.model.max_model_len):
             seq.finish_reason = "length"
 
     # the engine core replaces it on its engine (core.py): it reads the requests themselves
     make_output = staticmethod(request_output)
+
+
+def _reaches_length(seq: Sequence, num_tokens: int, max_model_len: int) -> bool:
+    """Whether `num_tokens` tokens end the sequence by length (max_tokens or the context)."""
+    max_tokens = seq.params.max_tokens
+    return (max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens) or num_tokens >= max_model_len
+
+
+def _reads_token_history(inputs: StepInputs) -> bool:
+    """Whether sampling the step reads its sequences' tokens on the host (penalties, min_tokens),
+    so every token of the step before must be known first."""
+    for row in inputs.sampling_rows:
+        p = row.params
+        if p.needs_penalties or p.min_tokens:
+            return True
+    return False

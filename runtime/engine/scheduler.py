@@ -172,6 +172,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if seq.ends_when_resolved:  # its pending token ends it (async scheduling: engine.py)
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_append(seq, num_new):
                 victim = self._pick_victim(scheduled_ids)

@@ -9,6 +9,11 @@ sequence is prefilled again, prompt and output alike.
 Sequence ids are unique within one engine (each engine numbers its own: `seq_ids`), and
 order sequences by creation.
 
+With async scheduling (engine.py) a sequence's newest token may be *pending*: sampled by a step the
+device still runs, counted in `num_tokens` (so the scheduler runs the sequence on), but not yet in
+`token_ids`, which only ever holds known tokens. The next step's inputs take a pending token
+straight from the device (`pending_sample`: its row in the latest step's samples).
+
 A request's *tenant* is whom it is served for (policies.py: the `fair` policy shares the engine
 between tenants); requests that name none share `DEFAULT_TENANT`.
 """
@@ -57,6 +62,12 @@ class Sequence:
     # incremental detokenization state (see tokenizer.Detokenizer)
     prefix_offset: int = 0
     read_offset: int = 0
+    # async scheduling: sampled tokens not yet on the host (0, or 1 between steps), the newest's
+    # row in the latest launched step's samples, and whether it certainly ends the sequence
+    # (max_tokens or max_model_len, known on the host: no step runs the sequence again)
+    num_pending_tokens: int = 0
+    pending_sample: int = -1
+    ends_when_resolved: bool = False
 
     @property
     def params(self) -> SamplingParams:
@@ -64,7 +75,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known and pending tokens: what the scheduler counts."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -80,7 +92,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

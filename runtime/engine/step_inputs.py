@@ -8,24 +8,32 @@ from kvpilot.runtime.engine.scheduler import ScheduledSeq
 from kvpilot.runtime.engine.sequence import Sequence
 from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
 
+PENDING = -1  # the input id of a pending token until the runner fills it in on the device
+
 
 def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, eos_token_ids: frozenset[int],
                       finished_seq_ids: list[int]) -> StepInputs:
     """Each scheduled sequence's next `num_new_tokens` tokens, back to back; the sequences that
-    reach their last token sample, in the order they are scheduled."""
+    reach their last token sample, in the order they are scheduled. A pending last token (async
+    scheduling: sequence.py) goes in as `PENDING`, listed in `pending_rows`."""
     inputs = StepInputs([], [], [], [], [], [0], [], finished_seq_ids=finished_seq_ids)
     input_ids, positions, slot_mapping = inputs.input_ids, inputs.positions, inputs.slot_mapping
     query_start_loc, num_rows = inputs.query_start_loc, 0
     for s in scheduled:
         seq, start = s.seq, s.seq.num_computed_tokens
         table = seq.block_table
+        end = start + s.num_new_tokens
+        if end > len(seq.token_ids):  # async scheduling: its last token is still on the device
+            inputs.pending_rows.append(num_rows + s.num_new_tokens - 1)
+            inputs.pending_samples.append(seq.pending_sample)
         if s.num_new_tokens == 1:  # a decode: most rows of most steps, so no ranges or slices
-            input_ids.append(seq.token_ids[start])
+            input_ids.append(seq.token_ids[start] if start < len(seq.token_ids) else PENDING)
             positions.append(start)
             slot_mapping.append(table[start // block_size] * block_size + start % block_size)
         else:
-            end = start + s.num_new_tokens
             input_ids.extend(seq.token_ids[start:end])
+            if end > len(seq.token_ids):
+                input_ids.append(PENDING)
             positions.extend(range(start, end))
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         inputs.block_tables.append(table)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpilot.kernels.ops import Ops
-from kvpilot.runtime.executor.batch import to_tensors
+from kvpilot.runtime.executor.batch import fill_pending, to_tensors
 from kvpilot.runtime.executor.inputs import StepInputs
 from kvpilot.runtime.executor.models.llama import AttentionMetadata
 
@@ -115,7 +115,8 @@ class DecodeGraphs:
             return None
         # padding goes in with the real rows: stale slots in the static buffers would write the
         # padding's K/V into some sequence's cache
-        input_ids, positions, meta = to_tensors(inputs, "cpu", pad_to=size)
+        # pinned on a GPU: copies that do not wait for the step the device still runs
+        input_ids, positions, meta = to_tensors(inputs, "cpu", pad_to=size, pinned=self.input_ids.is_cuda)
         self.input_ids[:size].copy_(input_ids, non_blocking=True)
         self.positions[:size].copy_(positions, non_blocking=True)
         self.slot_mapping[:size].copy_(meta.slot_mapping, non_blocking=True)
@@ -123,12 +124,14 @@ class DecodeGraphs:
         self.block_tables[:size, :width].copy_(meta.block_tables, non_blocking=True)
         return size
 
-    def run(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Replay the decode step of `inputs`; the sequences' hidden states (num_seqs, hidden),
-        valid until the next replay, or None when no graph holds the batch (run it eagerly)."""
+    def run(self, inputs: StepInputs, sampled: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Replay the decode step of `inputs` (its pending tokens taken from the previous step's
+        `sampled` tokens: batch.py's `fill_pending`); the sequences' hidden states (num_seqs,
+        hidden), valid until the next replay, or None when no graph holds the batch (run it eagerly)."""
         size = self.stage(inputs)
         if size is None:
             return None
+        fill_pending(self.input_ids, inputs, sampled)
         graph, out = self._graphs[size]
         graph.replay()
         self.replays += 1

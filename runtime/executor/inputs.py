@@ -9,6 +9,11 @@ sequence with one new token is a *decode*, one with more a *prefill* (or a chunk
 sequences whose chunk reaches their last token produce logits (`logits_rows`) and sample (their
 `sampling_rows`, in the same order).
 
+With async scheduling a token may be *pending*: sampled by the previous step, still on the
+device. Its row of `input_ids` holds a placeholder (-1) and is listed in `pending_rows`, beside
+the previous step's sample row that holds the token (`pending_samples`); the runner fills it on the
+device before the forward pass.
+
 Everything here is picklable: under tensor parallelism rank 0 broadcasts the model half of it.
 """
 
@@ -44,6 +49,8 @@ class StepInputs:
     sampling_rows: list[SamplingRow] = field(default_factory=list)
     # sequences that finished or were aborted since the last step: their generators are dropped
     finished_seq_ids: list[int] = field(default_factory=list)
+    pending_rows: list[int] = field(default_factory=list)  # rows whose token the previous step sampled
+    pending_samples: list[int] = field(default_factory=list)  # each one's row in that step's samples
 
     @property
     def num_seqs(self) -> int:

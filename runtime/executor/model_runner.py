@@ -4,7 +4,7 @@ pass and samples. It knows nothing of the scheduler's sequences; the random gene
 sequences live here, keyed by sequence id.
 
 Under tensor parallelism every rank has a runner over its slice of the model and KV cache; rank
-0's `execute` broadcasts the step's inputs and the other ranks' `follow` loop runs them.
+0's `launch` broadcasts the step's inputs and the other ranks' `follow` loop runs them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from kvpilot.kernels import ops as kernel_ops
 from kvpilot.runtime.config import BLOCK_SIZES, EngineConfig
 from kvpilot.runtime.executor import kv_cache
-from kvpilot.runtime.executor.batch import to_tensors
+from kvpilot.runtime.executor.batch import fill_pending, to_device, to_tensors
 from kvpilot.runtime.executor.cpu_linear import pack_linears
 from kvpilot.runtime.executor.cuda_graphs import DecodeGraphs, GraphsBySize, model_forward
 from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
@@ -26,7 +26,7 @@ from kvpilot.runtime.executor.kv_cache import KVCacheLayout
 from kvpilot.runtime.executor.loader import load_model, resolve_dtype
 from kvpilot.runtime.executor.models.llama import cos_sin_cache
 from kvpilot.runtime.executor.parallel import TPInfo
-from kvpilot.runtime.executor.sampler import SampleResult, sample
+from kvpilot.runtime.executor.sampler import DeviceSample, sample_on_device
 from kvpilot.runtime.executor.swap import MAX_STAGING_BYTES, SwapSpace, SwapStats
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class ModelRunner:
                                     stacked=kv_cache.stacked_view(self._kv_storage, self.layout))
         self._graph_sets = GraphsBySize()
         self._generators: dict[int, torch.Generator] = {}  # seeded sequences' own random streams
+        self._sampled: torch.Tensor | None = None  # the latest step's sampled tokens, on the device
         self._capture_graphs()
 
     @property
@@ -252,7 +253,7 @@ class ModelRunner:
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Issue this step's copies of (device, host) block pairs out to the swap space and (host,
         device) pairs back in (swap.py: they overlap the forward pass). Call once every step, before
-        `execute`, even with no pairs: the swap space counts steps by these calls."""
+        `launch`, even with no pairs: the swap space counts steps by these calls."""
         assert self.swap_space is not None
         if self.tp.size > 1 and self.tp.rank == 0 and (swap_out or swap_in or self.swap_space.has_unmarked_swap_in):
             self.tp.broadcast(("swap", (swap_out, swap_in)))
@@ -269,28 +270,33 @@ class ModelRunner:
             self.swap_space.before_forward()  # blocks swapped in by earlier steps are resident
         hidden = None
         if self.graphs is not None and inputs.is_decode_only:
-            hidden = self.graphs.run(inputs)
+            hidden = self.graphs.run(inputs, self._sampled)
         if hidden is None:
             input_ids, positions, meta = to_tensors(inputs, self.device)
+            fill_pending(input_ids, inputs, self._sampled)
             plan = self.ops.plan(meta, positions, self.rope, self.block_size)
             hidden = self.model(input_ids, self.kv_caches, plan, self.ops)
         if not inputs.logits_rows:
             return None
-        rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=self.device)
+        rows = to_device(inputs.logits_rows, torch.long, self.device)
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> SampleResult:
-        """Run one step and sample a token for each of its sampling rows, in order."""
+    def launch(self, inputs: StepInputs) -> DeviceSample | None:
+        """Queue one step and its sampling (a token for each sampling row, in order) on the device
+        without waiting for either (on a GPU): the host may prepare the next step meanwhile, whose
+        pending tokens (inputs.py) come from this step's samples. None when nothing samples."""
         for seq_id in inputs.finished_seq_ids:
             self._generators.pop(seq_id, None)
         if self.tp.size > 1:  # the other ranks need only the model's inputs
             self.tp.broadcast(("step", dataclasses.replace(inputs, sampling_rows=[], finished_seq_ids=[])))
         logits = self._run(inputs)
-        if logits is None:
-            return SampleResult(token_ids=[], logprobs=[])
-        rows = inputs.sampling_rows
-        return sample(logits, rows, [self._generator(row) for row in rows])
+        sampled = None
+        if logits is not None:
+            rows = inputs.sampling_rows
+            sampled = sample_on_device(logits, rows, [self._generator(row) for row in rows])
+        self._sampled = sampled.token_ids if sampled is not None else None
+        return sampled
 
     def _generator(self, row: SamplingRow) -> torch.Generator | None:
         """A seeded sequence's generator, made on its first sample: its draws then depend only on

@@ -9,7 +9,9 @@ temperature), as vLLM reports them.
 Everything stays on the device until one copy brings the step's results to the host: the sampled
 tokens and, for rows that asked, each one's logprob, rank and top alternatives, packed into one
 float64 tensor (token ids are exact in float64). A filter's switches come from the host-side
-parameters, never from a device value, so no other synchronisation happens.
+parameters, never from a device value, and host lists reach the device through pinned memory
+(batch.py's `to_device`), so no other synchronisation happens: the host can go on to prepare the
+next step while this one runs (`sample_on_device`, `DeviceSample`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.runtime.executor.batch import to_device
 from kvpilot.runtime.executor.inputs import SamplingRow
 
 
@@ -58,25 +61,25 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p for random rows; returns probabilities."""
     device = logits.device
-    temps = torch.tensor([r.params.temperature for r in rows], device=device)
+    temps = to_device([r.params.temperature for r in rows], torch.float32, device)
     logits = logits / temps[:, None]
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device)
+        k = to_device([k if k > 0 else vocab for k in top_k], torch.long, device)
         ranks = torch.arange(vocab, device=device)[None, :]
         remove = ranks >= k[:, None]
         probs_sorted = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
         cum = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass strictly before each token
-        remove |= cum >= torch.tensor(top_p, device=device)[:, None]
+        remove |= cum >= to_device(top_p, torch.float32, device)[:, None]
         remove[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     if any(r.params.min_p > 0 for r in rows):
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+        min_p = to_device([r.params.min_p for r in rows], torch.float32, device)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
@@ -86,6 +89,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
            generators: list[torch.Generator | None] | None = None) -> SampleResult:
     """logits (num_rows, vocab) float32 -> one token per row; `generators[i]` (None: the global
     one) draws row i's noise."""
+    return sample_on_device(logits, rows, generators).result()
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow],
+                     generators: list[torch.Generator | None] | None = None) -> DeviceSample:
+    """`sample`, launched: the tokens stay on the device and their copy to the host is queued."""
+    device = logits.device
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
     if any(r.params.needs_penalties or r.params.min_tokens for r in rows):
@@ -95,35 +105,62 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
+        idx = to_device(random_rows, torch.long, device)
         probs = _filter(logits[idx], [rows[i] for i in random_rows])
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
             noise[j].exponential_(generator=generators[i] if generators else None)
         chosen[idx] = (probs / noise).argmax(dim=-1)
-    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * len(rows)
     if raw_logprobs is None:
-        return SampleResult(token_ids=to_host(chosen).tolist(), logprobs=logprobs)
+        return DeviceSample(chosen, rows, [], 0, chosen)
     # rows with logprobs: the sampled token's logprob and rank, and the top-k of the widest ask
     wanted = [i for i, w in enumerate(want_logprobs) if w]
-    idx = torch.tensor(wanted, device=logits.device)
+    idx = to_device(wanted, torch.long, device)
     lp = raw_logprobs[idx]
     token_lp = lp.gather(1, chosen[idx][:, None])
     rank = (lp > token_lp).sum(dim=1, keepdim=True) + 1
     k = max(rows[i].params.logprobs or 0 for i in wanted)
     vals, ids = lp.topk(k, dim=1)
     packed = torch.cat([token_lp.double(), rank.double(), vals.double(), ids.double()], dim=1)
-    host = to_host(torch.cat([chosen.double(), packed.flatten()]))
-    n = len(rows)
-    token_ids = host[:n].long().tolist()
-    for j, row_values in enumerate(host[n:].view(len(wanted), 2 + 2 * k).tolist()):
-        i = wanted[j]
-        want = rows[i].params.logprobs or 0
-        top = [(int(t), v) for t, v in zip(row_values[2 + k:2 + k + want], row_values[2:2 + want], strict=True)]
-        logprobs[i] = (row_values[0], int(row_values[1]), top)
-    return SampleResult(token_ids=token_ids, logprobs=logprobs)
+    return DeviceSample(chosen, rows, wanted, k, torch.cat([chosen.double(), packed.flatten()]))
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """The step's one device-to-host copy."""
-    return t.cpu()
+class DeviceSample:
+    """A step's sampled tokens on their way to the host. `token_ids` (num_rows,) stays on the
+    device, where the next step's inputs can read it before the host has it (async scheduling);
+    the step's one device-to-host copy is queued at once (into pinned memory, with an event on
+    CUDA, so nothing waits for it) and `result()` waits for it and unpacks it."""
+
+    def __init__(self, token_ids: torch.Tensor, rows: list[SamplingRow], wanted: list[int], k: int,
+                 packed: torch.Tensor) -> None:
+        self.token_ids = token_ids
+        self._rows, self._wanted, self._k = rows, wanted, k
+        self._host, self._ready = to_host(packed)
+
+    def result(self) -> SampleResult:
+        if self._ready is not None:
+            self._ready.synchronize()
+        rows, wanted, k, host = self._rows, self._wanted, self._k, self._host
+        n = len(rows)
+        logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * n
+        if not wanted:
+            return SampleResult(token_ids=host.tolist(), logprobs=logprobs)
+        token_ids = host[:n].long().tolist()
+        for j, row_values in enumerate(host[n:].view(len(wanted), 2 + 2 * k).tolist()):
+            i = wanted[j]
+            want = rows[i].params.logprobs or 0
+            top = [(int(t), v) for t, v in zip(row_values[2 + k:2 + k + want], row_values[2:2 + want], strict=True)]
+            logprobs[i] = (row_values[0], int(row_values[1]), top)
+        return SampleResult(token_ids=token_ids, logprobs=logprobs)
+
+
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """The step's one device-to-host copy, queued: the host tensor and the event that marks the
+    copy done (None on the CPU, where `t` already is on the host)."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready

@@ -130,3 +130,40 @@ def test_bf16_on_cuda_runs_a_mixed_batch_and_frees_every_block(models) -> None:
         assert len(out.outputs[0].token_ids) == 20
         assert out.outputs[0].token_ids[:2] == hf_greedy(hf, prompt, 2)
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_async_scheduling_on_cuda_gives_the_synchronous_outputs(models, preemption_mode: str) -> None:
+    """The default on CUDA overlaps the host's step N+1 with the device's step N (engine.py): the
+    same engine with it switched off gives the same tokens, stops and logprobs, under preemption."""
+    folder, hf = models["llama"]
+    llm = LLM(folder, device="cuda", dtype="float32", max_model_len=256, block_size=16, num_gpu_blocks_override=20,
+              preemption_mode=preemption_mode, swap_space=0.01, max_num_seqs=8, gpu_memory_utilization=0.2)
+    engine = llm.engine
+    assert engine.async_scheduling and engine.runner.graphs is not None
+    batch = prompts(5, [3, 40, 90, 12, 60, 25, 7, 33])
+    plain = SamplingParams(temperature=0, max_tokens=40)
+    sync_plain = [o.outputs[0].token_ids for o in
+                  llm.generate([{"prompt_token_ids": p} for p in batch], plain)]  # warm: graphs and kernels
+    stop_id = sync_plain[0][5]
+    params = [plain, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id]),
+              SamplingParams(temperature=0.9, top_p=0.9, max_tokens=30, seed=3),
+              SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+              SamplingParams(n=2, temperature=1.0, max_tokens=20, seed=8)] + [plain] * 3
+
+    def run() -> tuple[list[object], list[float]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+        seen = [[(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs and [sorted(e) for e in c.logprobs])
+                 for c in o.outputs] for o in outs]
+        values = [lp.logprob for o in outs for c in o.outputs for e in c.logprobs or [] for lp in e.values()]
+        return seen, values
+
+    overlapped, overlapped_lps = run()
+    engine.async_scheduling = False
+    synchronous, synchronous_lps = run()
+    engine.async_scheduling = True
+    assert overlapped == synchronous
+    assert overlapped_lps == pytest.approx(synchronous_lps, abs=1e-3)
+    assert engine.scheduler.num_preemptions > 0
+    assert overlapped[0][0][0] == hf_greedy(hf, batch[0], 40)
+    assert_all_blocks_free(llm)

@@ -2,7 +2,8 @@
 small cache): arrivals, aborts, steps, preemptions in both modes, swaps, and block-size changes in
 both directions. After every step no block is leaked or double-owned; across every change each
 kept sequence's cached K/V is bit-for-bit what it was; every request finishes with the tokens it
-gets without any change (greedy, alone on a roomy engine)."""
+gets without any change (greedy, alone on a roomy engine). A second machine runs the same with
+async scheduling forced on: every rule then meets a step in flight."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class BlockSwitchMachine(RuleBasedStateMachine):
     folder: str = ""
     reference: dict[tuple[int, ...], list[int]] = {}
     reference_llm: LLM | None = None
+    async_scheduling = False
 
     @initialize(blocks=st.sampled_from([8, 10, 12]), block_size=st.sampled_from(BLOCK_SIZES),
                 prefix=st.booleans(), mode=st.sampled_from(["recompute", "swap"]),
@@ -62,7 +64,8 @@ class BlockSwitchMachine(RuleBasedStateMachine):
         # `blocks` of 16 tokens, whatever the first block size: enough for one max-length sequence
         self.llm = LLM(self.folder, max_model_len=MAX_LEN, num_gpu_blocks_override=blocks * 16 // block_size,
                        block_size=block_size, max_num_seqs=6, preemption_mode=mode, max_num_batched_tokens=MAX_LEN,
-                       swap_space=96 * BYTES_PER_TOKEN / (1 << 30), enable_prefix_caching=prefix)
+                       swap_space=96 * BYTES_PER_TOKEN / (1 << 30), enable_prefix_caching=prefix,
+                       async_scheduling=self.async_scheduling)
         self.engine = self.llm.engine
         self.wanted: dict[str, tuple[list[int], int]] = {}
         self.done: dict[str, list[int]] = {}
@@ -123,6 +126,8 @@ class BlockSwitchMachine(RuleBasedStateMachine):
         assert report is not None and engine.block_manager.block_size == block_size == engine.runner.block_size
         dropped = set(report.preempted) | set(report.swapped_recomputed)
         for seq in held:
+            if seq.is_finished:  # async scheduling: the step in flight, resolved first, ended it
+                continue
             if seq.request.request_id in dropped:
                 assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
                 continue
@@ -191,4 +196,16 @@ def test_block_size_changes_under_random_traffic(tiny_models) -> None:
     BlockSwitchMachine.folder = tiny_models["llama"][0]
     run_state_machine_as_test(BlockSwitchMachine, settings=settings(
         max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
+
+
+class AsyncBlockSwitchMachine(BlockSwitchMachine):
+    async_scheduling = True
+
+
+@pytest.mark.timeout(600)
+def test_block_size_changes_under_random_traffic_with_async_scheduling(tiny_models) -> None:
+    AsyncBlockSwitchMachine.folder = tiny_models["llama"][0]
+    run_state_machine_as_test(AsyncBlockSwitchMachine, settings=settings(
+        max_examples=6, stateful_step_count=30, deadline=None, derandomize=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))

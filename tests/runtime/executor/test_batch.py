@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.runtime.executor.batch import to_tensors
+from kvpilot.runtime.executor.batch import fill_pending, to_tensors
 from kvpilot.runtime.executor.inputs import StepInputs
 
 
@@ -32,3 +32,19 @@ def test_only_decode_steps_are_padded() -> None:
     inputs = StepInputs([5, 6], [0, 1], [8, 9], [[2]], [2], [0, 2], [1])
     with pytest.raises(ValueError, match="only decode steps"):
         to_tensors(inputs, "cpu", pad_to=4)
+
+
+def test_pending_tokens_are_filled_from_the_previous_steps_samples() -> None:
+    import torch
+
+    inputs = StepInputs(input_ids=[5, -1, 7, -1], positions=[3, 4, 0, 9], slot_mapping=[3, 4, 8, 9],
+                        block_tables=[[0, 1], [2], [3, 4]], seq_lens=[4, 1, 10], query_start_loc=[0, 1, 3, 4],
+                        logits_rows=[0, 2, 3], pending_rows=[1, 3], pending_samples=[2, 0])
+    input_ids, _, _ = to_tensors(inputs, "cpu")
+    fill_pending(input_ids, inputs, torch.tensor([40, 41, 42]))
+    assert input_ids.tolist() == [5, 42, 7, 40]
+    inputs.pending_rows, inputs.pending_samples = [0, 1], [0, 1]  # a decode step in its samples' order
+    fill_pending(input_ids, inputs, torch.tensor([50, 51, 52]))
+    assert input_ids.tolist() == [50, 51, 7, 40]
+    with pytest.raises(RuntimeError, match="sampled none"):
+        fill_pending(input_ids, inputs, None)

@@ -199,24 +199,24 @@ def run_tracking_kv(llm: LLM, prompts: list[list[int]], params: SamplingParams) 
     bit-identical to what was written when its tokens were computed. Returns the outputs."""
     engine, runner = llm.engine, llm.engine.runner
     written: dict[int, torch.Tensor] = {}  # seq id -> KV of its computed tokens, as first written
-    execute, schedule = runner.execute, engine.scheduler.schedule
+    launch, schedule = runner.launch, engine.scheduler.schedule
     last: list[SchedulerOutput] = []
 
     def recorded_schedule() -> SchedulerOutput:
         last[:] = [schedule()]
         return last[0]
 
-    def checked_execute(inputs):  # type: ignore[no-untyped-def]
+    def checked_launch(inputs):  # type: ignore[no-untyped-def]
         runner.swap_space.before_forward()  # what the forward pass waits for (it is idempotent)
         for s in last[0].scheduled:
             ref = written.get(s.seq.seq_id)
             if ref is not None and s.seq.num_computed_tokens:
                 n = min(ref.shape[2], s.seq.num_computed_tokens)
                 assert torch.equal(seq_kv(runner, s.seq, n), ref[:, :, :n]), f"seq {s.seq.seq_id} KV changed"
-        return execute(inputs)
+        return launch(inputs)
 
     engine.scheduler.schedule = recorded_schedule  # type: ignore[method-assign]
-    runner.execute = checked_execute  # type: ignore[method-assign]
+    runner.launch = checked_launch  # type: ignore[method-assign]
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     outputs: dict[str, list[int]] = {}

@@ -30,6 +30,18 @@ def server() -> Iterator[RunningServer]:
     running.stop()
 
 
+@pytest.fixture(scope="module")
+def async_server() -> Iterator[RunningServer]:
+    """The same with async scheduling forced on (off by default on the CPU): a step is then in
+    flight whenever the core applies an abort or a finished sample."""
+    running = start_server({"max_model_len": 1024, "max_num_seqs": 4, "async_scheduling": True})
+    yield running
+    running.stop()
+
+
+BOTH = pytest.mark.parametrize("which", ["server", "async_server"])
+
+
 def _gauges(server: RunningServer) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics").text):
@@ -49,7 +61,9 @@ def test_the_core_is_another_process(server: RunningServer) -> None:
     assert server.state.engine.is_alive
 
 
-def test_client_disconnect_aborts_inside_the_core_and_its_blocks_return(server: RunningServer) -> None:
+@BOTH
+def test_client_disconnect_aborts_inside_the_core_and_its_blocks_return(which: str, request: pytest.FixtureRequest) -> None:
+    server: RunningServer = request.getfixturevalue(which)
     with ExitStack() as stack, httpx.Client(base_url=server.base_url, timeout=60) as http:
         response = stack.enter_context(http.stream("POST", "/v1/completions", json=LONG))
         lines = _data_lines(response)
@@ -66,7 +80,10 @@ def test_client_disconnect_aborts_inside_the_core_and_its_blocks_return(server: 
     assert health["num_free_blocks"] == health["num_blocks"] and health["pending_requests"] == 0
 
 
-def test_stop_strings_end_samples_as_offline_and_free_their_blocks(server: RunningServer, smol_llm) -> None:
+@BOTH
+def test_stop_strings_end_samples_as_offline_and_free_their_blocks(which: str, request: pytest.FixtureRequest,
+                                                                   smol_llm) -> None:
+    server: RunningServer = request.getfixturevalue(which)
     body = {"prompt": "Write three short sentences about the sea.", "max_tokens": 200, "n": 3, "seed": 7,
             "temperature": 0.8, "stop": [". "]}
     generated = _gauges(server)["vllm:generation_tokens_total"]
