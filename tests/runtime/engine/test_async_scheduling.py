@@ -176,31 +176,6 @@ def test_aborts_between_steps_free_at_once_and_drop_the_token_in_flight(tiny_mod
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_live_changes_while_requests_run_keep_greedy_tokens(tiny_models) -> None:
-    folder, hf = tiny_models["mistral"]
-    rng = random.Random(3)
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in (12, 40, 90)]
-    engine = LLM(folder, max_model_len=256, block_size=16, async_scheduling=True).engine
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=25))
-    done = {}
-    for step in range(200):
-        if step == 4:
-            engine.update_config({"block_size": 8, "max_num_seqs": 2, "preemption_mode": "swap"})
-            report = engine.last_relayout
-            assert report is not None and report.num_running_kept == 3
-        if step == 9:
-            engine.update_config({"block_size": 32, "max_num_seqs": 8})
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        if not engine.has_unfinished_requests():
-            break
-    for i, p in enumerate(prompts):
-        assert done[str(i)] == hf_greedy(hf, p, 25)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-
-
 def test_a_drained_steps_last_outputs_come_out(tiny_models) -> None:
     """A live change resolves the step in flight; when that ends every request, its outputs still
     come out of the next step."""

@@ -111,12 +111,13 @@ def test_abort_frees_blocks_at_once(smol_llm: LLM) -> None:
     assert all_blocks_free(smol_llm)
 
 
-def test_block_size_change_mid_generation_keeps_outputs(tiny_models) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_block_size_change_mid_generation_keeps_outputs(tiny_models, async_scheduling: bool) -> None:
+    # with async scheduling a step is in flight at each change: the change drains it first
     folder, hf = tiny_models["mistral"]
     rng = random.Random(3)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (12, 40, 90)]
-    llm = LLM(folder, max_model_len=256, block_size=16)
-    engine = llm.engine
+    engine = LLM(folder, max_model_len=256, block_size=16, async_scheduling=async_scheduling).engine
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=25))
     done = {}
@@ -129,6 +130,8 @@ def test_block_size_change_mid_generation_keeps_outputs(tiny_models) -> None:
             assert report is not None and report.preempted == [] and report.num_running_kept == 3
             parts = (report.plan_ms, report.wait_ms, report.copy_ms, report.swap_ms, report.rebuild_ms)
             assert all(p >= 0 for p in parts) and sum(parts) <= report.pause_ms  # the breakdown is of the pause
+        if step == 9:  # a merge back, with swap preemption from here on
+            engine.update_config({"block_size": 32, "max_num_seqs": 8, "preemption_mode": "swap"})
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
