@@ -31,19 +31,24 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.block_manager import BlockManager
-from kvpilot.runtime.engine.relayout import gc_paused, plan_relayout
+from kvpilot.runtime.engine.block_switch import (
+    RelayoutReport,
+    change_block_size,
+    warm_up_block_switches,
+)
+from kvpilot.runtime.engine.relayout import gc_paused
 from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.runtime.engine.sequence import (
     DEFAULT_TENANT,
     Request,
     Sequence,
-    cut_stop_string,
+    check_stop,
+    reaches_length,
     request_output,
 )
 from kvpilot.runtime.engine.step_inputs import build_step_inputs
 from kvpilot.runtime.engine.tokenizer import Tokenizer, encode_prompt
 from kvpilot.runtime.errors import RequestError
-from kvpilot.runtime.executor import kv_cache
 from kvpilot.runtime.executor.inputs import StepInputs
 from kvpilot.runtime.executor.model_runner import ModelRunner
 from kvpilot.runtime.executor.sampler import DeviceSample, SampleResult
@@ -126,33 +131,6 @@ def _fails_with_workers(method: Callable[Concatenate[LLMEngine, P], R]) -> Calla
     return guarded
 
 
-@dataclass
-class RelayoutReport:
-    """What a live block-size change did (`LLMEngine.last_relayout`; the admin API returns it)."""
-
-    old_block_size: int
-    new_block_size: int
-    pause_ms: float  # no step ran meanwhile: planning, copies and bookkeeping
-    bytes_moved: int  # written in device memory
-    swap_bytes_moved: int  # written in the host swap space
-    # where the pause went (ms): planning both re-cuts; waiting for swap copies in flight; the device
-    # cache's copies (on CUDA their device time, which overlaps swap_ms); the host swap space's
-    # re-cut; tables, block manager, prefix cache and swap pool rebuilt
-    plan_ms: float
-    wait_ms: float
-    copy_ms: float
-    swap_ms: float
-    rebuild_ms: float
-    num_blocks: int
-    num_running_kept: int  # running sequences whose KV was re-laid
-    num_swapped_kept: int  # swapped sequences whose host KV was re-laid
-    preempted: list[str]  # request ids of running sequences recomputed: the new cut could not hold them
-    swapped_recomputed: list[str]  # request ids of swapped sequences that no longer fit the swap space
-
-    def as_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -174,7 +152,7 @@ class LLMEngine:
         layout = self.runner.layout  # the owner of the block size and the block counts
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, layout.num_swap_blocks)
-        self._warm_up_block_switches()
+        warm_up_block_switches(self.scheduler, self.block_manager, self.runner)
         self.last_relayout: RelayoutReport | None = None
         self.requests: dict[str, Request] = {}
         self._unscheduled: set[str] = set()  # ids of the requests no step has scheduled yet
@@ -281,7 +259,7 @@ class LLMEngine:
         as {name: {"old": ..., "new": ...}}. Call only from the thread that runs `step`.
 
         A new block size re-cuts the KV cache in place and keeps the KV of running and swapped
-        sequences (`_change_block_size`); `last_relayout` says what it cost.
+        sequences (block_switch.py); `last_relayout` says what it cost.
         """
         unknown = sorted(set(changes) - set(LIVE_TUNABLES))
         if unknown:
@@ -300,83 +278,12 @@ class LLMEngine:
         if "block_size" in wanted:
             cache = dataclasses.replace(cache, block_size=wanted["block_size"])  # type: ignore[arg-type]
             with gc_paused():
-                self.last_relayout = self._change_block_size(cache.block_size)
+                self.last_relayout = change_block_size(self.scheduler, self.block_manager, self.runner,
+                                                       cache.block_size)
         self.config = dataclasses.replace(self.config, cache=cache, scheduler=scheduler)
         self.scheduler.reconfigure(scheduler)
         after = self.live_config()
         return {k: {"old": before[k], "new": after[k]} for k in wanted}
-
-    def _change_block_size(self, block_size: int) -> RelayoutReport:
-        """Re-cut the KV cache into blocks of `block_size` in place: the blocks of running
-        sequences (on the device) and swapped ones (in the swap space) are re-laid and their tables
-        rewritten (engine/relayout.py plans, the runner copies); only sequences the new cut cannot
-        hold are recomputed, the fewest possible."""
-        report = self._relayout(block_size)
-        logger.info("block size %d -> %d in %.1f ms (plan %.1f, wait %.1f, copy %.1f, swap %.1f, rebuild %.1f): "
-                    "%d running and %d swapped sequences kept, %.1f MiB moved, %d recomputed",
-                    report.old_block_size, block_size, report.pause_ms, report.plan_ms, report.wait_ms,
-                    report.copy_ms, report.swap_ms, report.rebuild_ms, report.num_running_kept,
-                    report.num_swapped_kept, (report.bytes_moved + report.swap_bytes_moved) / (1 << 20),
-                    len(report.preempted) + len(report.swapped_recomputed))
-        return report
-
-    def _relayout(self, block_size: int, unheld: list[tuple[list[int], int]] | None = None) -> RelayoutReport:
-        """`_change_block_size`'s work. `unheld`: more (block table, tokens) to re-lay, of blocks
-        that no sequence holds (the start-up warm-up's), planned and copied as a sequence's are."""
-        started = time.perf_counter()
-        sched, old = self.scheduler, self.runner.layout
-        new = old.with_block_size(block_size)
-        batch = kv_cache.max_batch(old, old.block_size, block_size)
-        running, swapped = list(sched.running), list(sched.swapped)
-        plan = plan_relayout(old.block_size, block_size, old.num_blocks, new.num_blocks,
-                             [(s.block_table, s.num_computed_tokens) for s in running] + (unheld or []), batch)
-        swap_plan = plan_relayout(old.block_size, block_size, old.num_swap_blocks, new.num_swap_blocks,
-                                  [(s.swap_table, s.num_computed_tokens) for s in swapped], batch)
-        planned = time.perf_counter()
-        tables = plan.tables[:len(running)]
-        dropped = [seq for seq, table in zip(running, tables, strict=True) if table is None]
-        for seq in dropped:
-            sched.preempt(seq)  # recompute: its blocks go back before the new cut is counted
-        # the host re-cut keeps a swapped sequence's tokens wherever its new table says (swap.py)
-        swap_moves = [(s.swap_table[:-(-s.num_computed_tokens // old.block_size)], list(t), s.num_computed_tokens)
-                      for s, t in zip(swapped, swap_plan.tables, strict=True) if t is not None]
-        cost = self.runner.relayout(block_size, plan, swap_moves)  # on a GPU the copies run meanwhile
-        copied = time.perf_counter()
-        for seq, table in zip(running, tables, strict=True):
-            if table is not None:
-                seq.block_table = table
-        self.block_manager.reconfigure(new.num_blocks, block_size, sched.running)
-        requeued = sched.reconfigure(num_swap_blocks=new.num_swap_blocks, swap_tables=list(swap_plan.tables))
-        rebuilt = time.perf_counter()
-        cost.finish()
-        done = time.perf_counter()
-        return RelayoutReport(
-            old_block_size=old.block_size, new_block_size=block_size,
-            pause_ms=(done - started) * 1e3, bytes_moved=cost.bytes_moved, swap_bytes_moved=cost.swap_bytes_moved,
-            plan_ms=(planned - started) * 1e3, wait_ms=cost.wait_ms, copy_ms=cost.copy_ms, swap_ms=cost.swap_ms,
-            rebuild_ms=(rebuilt - copied) * 1e3,
-            num_blocks=new.num_blocks, num_running_kept=len(running) - len(dropped),
-            num_swapped_kept=len(swapped) - len(requeued),
-            preempted=[s.request.request_id for s in dropped],
-            swapped_recomputed=[s.request.request_id for s in requeued])
-
-    def _warm_up_block_switches(self) -> None:
-        """At start, switch through every allowed block size and back by the live path (planner,
-        device copies, views, graph lookup, block manager and swap pool rebuilds), splits and merges
-        both, so that what a process pays on its first switch (CUDA modules loaded on the copy
-        kernels' first launch, the copies' first temporary memory: benchmarks/RESULTS.md) is paid
-        before any request waits on it. No sequence exists yet: each switch re-lays a few blocks
-        that none holds, from block 1 so that a merge's groups are out of place."""
-        started = time.perf_counter()
-        first = self.runner.block_size
-        walk = [size for size in self.runner.allowed_block_sizes if size != first] + [first]
-        with gc_paused():
-            for size in walk:
-                old = self.runner.block_size
-                count = min(2 * max(old, size) // min(old, size), self.runner.num_blocks - 1)
-                self._relayout(size, [(list(range(1, 1 + count)), count * old)] if count > 0 else [])
-        logger.info("block-size switches %s warmed up in %.0f ms", " -> ".join(map(str, [first, *walk])),
-                    (time.perf_counter() - started) * 1e3)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -450,7 +357,7 @@ class LLMEngine:
                 seq.num_pending_tokens += 1
                 seq.pending_sample = sample_index
                 sample_index += 1
-                seq.ends_when_resolved = _reaches_length(seq, seq.num_tokens, max_len)
+                seq.ends_when_resolved = reaches_length(seq, seq.num_tokens, max_len)
         return _Launched(sched, sampled)
 
     def _drain(self) -> None:
@@ -488,7 +395,7 @@ class LLMEngine:
             if lp is not None:
                 self._record_logprobs(seq, token, lp)
             new_text = tokenizer.detokenize_step(seq) if tokenizer is not None else ""
-            self._check_stop(seq, token, len(new_text))
+            check_stop(seq, token, len(new_text), self.eos_token_ids, self.config.model.max_model_len)
             metrics = seq.request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
@@ -515,29 +422,8 @@ class LLMEngine:
         seq.logprobs.append(entry)
         seq.cumulative_logprob += value
 
-    def _check_stop(self, seq: Sequence, token: int, num_new_chars: int) -> None:
-        p = seq.params
-        num_out = seq.num_output_tokens
-        if num_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", None
-                return
-            if p.stop_token_ids and token in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
-                return
-            if p.stop_strings and num_new_chars and cut_stop_string(seq, num_new_chars):
-                return
-        if _reaches_length(seq, len(seq.token_ids), self.config.model.max_model_len):
-            seq.finish_reason = "length"
-
     # the engine core replaces it on its engine (core.py): it reads the requests themselves
     make_output = staticmethod(request_output)
-
-
-def _reaches_length(seq: Sequence, num_tokens: int, max_model_len: int) -> bool:
-    """Whether `num_tokens` tokens end the sequence by length (max_tokens or the context)."""
-    max_tokens = seq.params.max_tokens
-    return (max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens) or num_tokens >= max_model_len
 
 
 def _reads_token_history(inputs: StepInputs) -> bool:

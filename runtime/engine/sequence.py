@@ -129,6 +129,30 @@ class Request:
         return True
 
 
+def check_stop(seq: Sequence, token: int, num_new_chars: int, eos_token_ids: frozenset[int],
+               max_model_len: int) -> None:
+    """Set the sequence's finish (and stop) reason if `token`, just appended, ends it: EOS, a stop
+    token, a stop string in its `num_new_chars` new characters (cut there), or its length."""
+    p = seq.params
+    if seq.num_output_tokens >= p.min_tokens:
+        if not p.ignore_eos and token in eos_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", None
+            return
+        if p.stop_token_ids and token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+            return
+        if p.stop_strings and num_new_chars and cut_stop_string(seq, num_new_chars):
+            return
+    if reaches_length(seq, len(seq.token_ids), max_model_len):
+        seq.finish_reason = "length"
+
+
+def reaches_length(seq: Sequence, num_tokens: int, max_model_len: int) -> bool:
+    """Whether `num_tokens` tokens end the sequence by length (max_tokens or the context)."""
+    max_tokens = seq.params.max_tokens
+    return (max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens) or num_tokens >= max_model_len
+
+
 def cut_stop_string(seq: Sequence, num_new_chars: int) -> bool:
     """End the sequence at the first stop string in its text; the text is cut there."""
     p = seq.params
