@@ -191,21 +191,17 @@ class BlockSwitchMachine(RuleBasedStateMachine):
         return self.reference[key][:max_tokens]
 
 
-@pytest.mark.timeout(600)
-def test_block_size_changes_under_random_traffic(tiny_models) -> None:
-    BlockSwitchMachine.folder = tiny_models["llama"][0]
-    run_state_machine_as_test(BlockSwitchMachine, settings=settings(
-        max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
-
-
 class AsyncBlockSwitchMachine(BlockSwitchMachine):
     async_scheduling = True
 
 
+# async scheduling (a step in flight at every rule) reruns a few examples of the same machine
 @pytest.mark.timeout(600)
-def test_block_size_changes_under_random_traffic_with_async_scheduling(tiny_models) -> None:
-    AsyncBlockSwitchMachine.folder = tiny_models["llama"][0]
-    run_state_machine_as_test(AsyncBlockSwitchMachine, settings=settings(
-        max_examples=6, stateful_step_count=30, deadline=None, derandomize=True,
+@pytest.mark.parametrize(("machine", "max_examples"), [(BlockSwitchMachine, 25), (AsyncBlockSwitchMachine, 6)],
+                         ids=["sync", "async"])
+def test_block_size_changes_under_random_traffic(tiny_models, machine: type[BlockSwitchMachine],
+                                                 max_examples: int) -> None:
+    machine.folder = tiny_models["llama"][0]
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=max_examples, stateful_step_count=30, deadline=None, derandomize=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
