@@ -317,8 +317,8 @@ class Cluster:
 
     async def roll_out(self, name: str) -> None:
         """What the Deployment controller and kubelet would report once every pod is ready."""
-        deployment = self.get("deployments", name)
-        assert deployment is not None
+        # the operator writes the Deployment after the admin Secret a test may have waited for
+        deployment = await eventually(lambda: self.get("deployments", name), what=f"the Deployment {name}")
         n = deployment["spec"]["replicas"]
         status = {"observedGeneration": deployment["metadata"]["generation"], "replicas": n,
                   "updatedReplicas": n, "readyReplicas": n, "availableReplicas": n}
