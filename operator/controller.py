@@ -27,6 +27,7 @@ from .events import build_event
 from .kube import ApiError, Kube
 from .manifests import GROUP
 from .model_source import SpecError
+from .pilot_spec import measurement_basis
 from .reconcile import Change, Desired, Extras, reconcile
 from .status import api_error_status, invalid_spec_status, merge_conditions, now_iso, status_changes
 
@@ -145,7 +146,8 @@ class Controller:
         # max_num_batched_tokens than max_model_len, which the spec may leave to the model.
         limits = EngineLimits(swap_space_gib=engine.swap_space, max_model_len=engine.max_model_len or 1,
                               enable_chunked_prefill=engine.enable_chunked_prefill)
-        return PilotSettings(desired.owner, desired.tuning, desired.scaling, limits, self.instance)
+        basis = measurement_basis(desired.spec, desired.spec.image or self.image)
+        return PilotSettings(desired.owner, desired.tuning, desired.scaling, limits, self.instance, basis)
 
     def _release_legacy_finalizer(self, body: Manifest) -> None:
         finalizers = body["metadata"].get("finalizers") or []

@@ -67,6 +67,7 @@ class PilotSettings:
     scaling: ScalingSpec
     limits: EngineLimits
     instance: str  # this operator replica, in the Events it posts
+    basis: tuple[tuple[str, str], ...] = ()  # what measured outcomes hold for (pilot_spec.measurement_basis)
 
     @property
     def active(self) -> bool:

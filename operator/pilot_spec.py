@@ -1,5 +1,6 @@
 """`spec.autotune` and `spec.autoscaling` (the CRD's camelCase, pydantic) -> the autotuner's
-`TuningSpec` and the autoscaler's `ScalingSpec` (frozen dataclasses, seconds for durations).
+`TuningSpec` and the autoscaler's `ScalingSpec` (frozen dataclasses, seconds for durations); the
+rest of the spec -> the basis the autotuner's measured outcomes hold for (`measurement_basis`).
 
 What the CRD cannot say in its schema (a canary window longer than its timeout, a knob range
 whose min exceeds its max) is refused here, as a `SpecError` naming the field, so a spec that
@@ -7,6 +8,9 @@ cannot work becomes the Degraded InvalidSpec condition instead of a loop that ne
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
 
 from .autoscale.scaling_spec import (
     SCALE_DOWN,
@@ -25,7 +29,14 @@ from .autotune.tuning_spec import (
     TuningSpec,
 )
 from .model_source import SpecError
-from .spec import AutoscalingSpec, AutotuneSpec, EngineTargetSpec, RangeSpec, ScalingRulesSpec
+from .spec import (
+    AutoscalingSpec,
+    AutotuneSpec,
+    EngineTargetSpec,
+    InferenceServiceSpec,
+    RangeSpec,
+    ScalingRulesSpec,
+)
 
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 
@@ -93,3 +104,32 @@ def scaling_spec(spec: AutoscalingSpec) -> ScalingSpec:
         )
     except ValueError as exc:
         raise SpecError(f"spec.autoscaling: {exc}") from None
+
+
+# engine flags that do not change what a configuration gets through per second at capacity: the
+# knobs tuning sets, and logging, metrics, the seed and the queue's bound
+_NOT_BASIS = ("blockSize", "preemptionMode", "disableLogStats", "metricInterval", "maxQueueLen", "seed")
+
+
+def measurement_basis(spec: InferenceServiceSpec, image: str) -> tuple[tuple[str, str], ...]:
+    """What the autotuner's measured outcomes hold for (`autotune.Outcomes.rebase`): the model,
+    the image the pods run, their GPUs and where they are placed, and every engine flag set away
+    from its default other than those in `_NOT_BASIS`. Defaults are left out, so a release that
+    adds a flag does not change the basis of a spec that leaves it unset."""
+    model, placement = spec.model, spec.placement
+    engine = {k: v for k, v in spec.engine.model_dump(by_alias=True, exclude_defaults=True).items()
+              if k not in _NOT_BASIS}
+    where = [f"{k}={v}" for k, v in sorted(placement.node_selector.items())]
+    if placement.affinity:
+        digest = hashlib.sha256(json.dumps(placement.affinity, sort_keys=True).encode()).hexdigest()[:12]
+        where.append(f"affinity {digest}")
+    if placement.runtime_class_name:
+        where.append(f"runtimeClass {placement.runtime_class_name}")
+    basis = {
+        "model": f"{model.source} ({model.load_format}, {model.dtype}, quantization {model.quantization or 'none'})",
+        "image": image,
+        "gpus": f"{spec.resources.gpus} a pod, tensor parallel {spec.tensor_parallel_size}",
+        "placement": ", ".join(where) or "any node",
+        "engine": ", ".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in sorted(engine.items())) or "defaults",
+    }
+    return tuple(sorted(basis.items()))

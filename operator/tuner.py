@@ -10,7 +10,9 @@
   promotes the change to every pod (one at a time) or rolls the canary back.
 * *Memory*: what each configuration measured at capacity and what each switch paused the engine
   for (`autotune.Outcomes`) go into status.tuning with the config, and a restarted operator
-  reloads them, so it neither measures again nor retries what it already found worse.
+  reloads them, so it neither measures again nor retries what it already found worse. A spec
+  whose model, image, GPUs, placement or engine flags changed drops them (Event
+  TuningOutcomesReset): they held for the old one.
 With `apply: rollout` there is no canary: the decision becomes the config in force, and the
 reconcile writes it into the Deployment's flags, which rolls the pods.
 
@@ -120,6 +122,12 @@ class Tuner:
 
     async def step(self, now: float, pods: Pods, report: ScrapeReport) -> None:
         spec = self.pilot.settings.tuning
+        changed = self.outcomes.rebase(dict(self.pilot.settings.basis))
+        if changed:
+            self.observed = None  # windows scraped so far ran under the old basis
+            await self.pilot.post_event("Normal", "TuningOutcomesReset",
+                                        "measured outcomes and switch pauses dropped, they were measured under "
+                                        f"another spec: {'; '.join(changed)}")
         endpoints = {e.pod: e for e in pods.endpoints if e.pod in report.samples}
         self.pods = {p: (s.settings.block_size, s.settings.preemption_mode) for p, s in report.samples.items()}
         if self.observed is not None:

@@ -23,9 +23,13 @@ reports that pause (`relayout.pause_ms` in the `POST /admin/config` answer), and
 Estimates and pauses are per service. They are kept in the InferenceService's status
 (`status.tuning.outcomes`, `status.tuning.switchPauses`: one entry per configuration or pair,
 so bounded by the block sizes and modes there are) and reloaded when the operator restarts, so a
-restarted operator does not measure again what it already knew. They hold for the model and the
-hardware they were measured on: a spec that changes either keeps them (a known gap; deleting
-`status.tuning` starts afresh).
+restarted operator does not measure again what it already knew.
+
+*Basis*: what the figures were measured under (the model, the image, the GPUs and placement, the
+engine flags other than the tuned knobs: `pilot_spec.measurement_basis`), kept beside them in
+`status.tuning.outcomesBasis`. Figures of another model or other hardware say nothing about this
+one, so a basis that changes (a spec edit, or an operator started on a changed spec) drops every
+estimate and pause (`rebase`). A status written without a basis takes the current one.
 """
 
 from __future__ import annotations
@@ -58,9 +62,25 @@ Switch = tuple[EngineTarget, EngineTarget]  # (from, to)
 
 
 class Outcomes:
-    def __init__(self) -> None:
+    def __init__(self, basis: Mapping[str, str] | None = None) -> None:
         self._sums: dict[EngineTarget, tuple[float, float, float, int]] = {}  # seconds, sum w*x, sum w*x^2, windows
         self._pauses: dict[Switch, tuple[float, int]] = {}  # summed pause seconds, switches
+        self.basis: dict[str, str] = dict(basis or {})
+
+    def rebase(self, basis: Mapping[str, str]) -> list[str]:
+        """Holds the figures to `basis` from now on. When they were measured under another one,
+        they are dropped, and the return names each difference ("model: a -> b"); a memory without
+        a basis (status from before bases were kept) takes this one and keeps its figures."""
+        basis = dict(basis)
+        if basis == self.basis:
+            return []
+        known, self.basis = self.basis, basis
+        if not known or not (self._sums or self._pauses):
+            return []
+        self._sums.clear()
+        self._pauses.clear()
+        return [f"{key}: {known.get(key, '(unset)')} -> {basis.get(key, '(unset)')}"
+                for key in sorted(known.keys() | basis.keys()) if known.get(key) != basis.get(key)]
 
     def record_pause(self, source: EngineTarget, target: EngineTarget, pause_s: float) -> None:
         """A switch from `source` to `target` stopped the engine for `pause_s` (the engine's own account)."""
@@ -113,11 +133,11 @@ class Outcomes:
                 out[config] = e
         return out
 
-
-    def to_status(self) -> dict[str, list[dict[str, Any]]]:
-        """`status.tuning.outcomes` and `status.tuning.switchPauses` (each left out while empty):
-        the sums behind each estimate as mean, spread and weight, so `from_status` restores them."""
-        out: dict[str, list[dict[str, Any]]] = {}
+    def to_status(self) -> dict[str, Any]:
+        """`status.tuning.outcomes`, `status.tuning.switchPauses` and `status.tuning.outcomesBasis`
+        (each None while empty, so that the status patch removes what `rebase` dropped): the sums
+        behind each estimate as mean, spread and weight, so `from_status` restores them."""
+        out: dict[str, Any] = {"outcomes": None, "switchPauses": None, "outcomesBasis": None}
         rows = []
         for config, (w, sx, sxx, n) in sorted(self._sums.items(), key=lambda kv: _order(kv[0])):
             mean = sx / w
@@ -131,12 +151,15 @@ class Outcomes:
                                     "switches": n}
                                    for (a, b), (total, n) in sorted(self._pauses.items(),
                                                                     key=lambda kv: (_order(kv[0][0]), _order(kv[0][1])))]
+        if self.basis:
+            out["outcomesBasis"] = dict(sorted(self.basis.items()))
         return out
 
     @classmethod
     def from_status(cls, tuning: Mapping[str, Any]) -> Outcomes:
         """What `to_status` wrote (`status.tuning`); an entry it cannot read is dropped, not fatal."""
-        outcomes = cls()
+        basis = tuning.get("outcomesBasis")
+        outcomes = cls({str(k): str(v) for k, v in basis.items()} if isinstance(basis, Mapping) else None)
         for row in tuning.get("outcomes") or []:
             try:
                 config, w, n = _from_target(row), float(row["seconds"]), int(row["windows"])

@@ -277,6 +277,37 @@ async def test_a_restarted_operator_acts_on_the_outcomes_in_status_instead_of_tr
         assert engines["smol-a"].posts == [] and "TuningCanary" not in _reasons(cluster)
 
 
+async def test_outcomes_are_kept_for_the_spec_they_were_measured_under_and_dropped_when_it_changes(
+        cluster: Any, pods: Any) -> None:
+    """Outcomes in a status written before bases were kept are adopted with the spec's basis; an
+    edit of an engine flag they depend on drops them and their pauses, with an Event naming it."""
+    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 1,
+            "engine": {"swapSpace": 1}, "autotune": FAST_TUNING}
+    outcomes = [{"blockSize": 16, "preemptionMode": "recompute", "tokensPerSecond": 1000.0, "spread": 10.0,
+                 "seconds": 120.0, "windows": 12}]
+    pauses = [{"from": {"blockSize": 16, "preemptionMode": "recompute"},
+               "to": {"blockSize": 8, "preemptionMode": "swap"}, "pauseMs": 9.0, "switches": 2}]
+    await cluster.request("POST", _lifecycle.IS_PATH, {
+        "apiVersion": "serving.kvpilot.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "smol", "namespace": NS}, "spec": spec,
+        "status": {"tuning": {"outcomes": outcomes, "switchPauses": pauses}}}, "application/json")
+    async with operator():
+        await pods(["smol-a"])  # at rest: nothing saturated is added, no decision is made
+        await eventually(lambda: "outcomesBasis" in _status(cluster).get("tuning", {}), what="the basis in status")
+        tuning = _status(cluster)["tuning"]
+        assert tuning["outcomes"] == outcomes and tuning["switchPauses"] == pauses
+        basis = tuning["outcomesBasis"]
+        assert basis["engine"] == "swapSpace=1.0" and basis["model"].startswith("embedded ")
+        assert "TuningOutcomesReset" not in _reasons(cluster)
+
+        await cluster.patch_isvc("smol", {"spec": {"engine": {"maxModelLen": 1024}}})
+        await eventually(lambda: not {"outcomes", "switchPauses"} & _status(cluster)["tuning"].keys(),
+                         what="the outcomes and pauses gone from status")
+        assert _status(cluster)["tuning"]["outcomesBasis"] == {**basis, "engine": "maxModelLen=1024, swapSpace=1.0"}
+        reset = [m for _, reason, m in cluster.events("smol") if reason == "TuningOutcomesReset"]
+        assert len(reset) == 1 and "engine: swapSpace=1.0 -> maxModelLen=1024, swapSpace=1.0" in reset[0], reset
+
+
 async def test_a_pod_that_refuses_the_admin_call_leaves_the_service_on_its_config(cluster: Any, pods: Any) -> None:
     spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 1,
             "engine": {"swapSpace": 1}, "autotune": FAST_TUNING}

@@ -262,4 +262,36 @@ def test_an_unreadable_entry_in_status_is_dropped_not_fatal() -> None:
                                 "pauseMs": 1.0, "switches": 1}]}
     back = Outcomes.from_status(status)
     assert list(back.measured(0.0)) == [B8_SWAP] and back.pauses() == {}
-    assert Outcomes.from_status({}).to_status() == {}
+    assert Outcomes.from_status({}).to_status() == {"outcomes": None, "switchPauses": None, "outcomesBasis": None}
+
+
+def _measured_memory(basis: dict[str, str] | None) -> Outcomes:
+    o = Outcomes(basis)
+    o.observe({"pod-0": summary(duration_s=30.0, num_waiting_seqs=80.0, prompt_tokens_per_s=900.0,
+                                generation_tokens_per_s=100.0)}, T)
+    o.record_pause(B16_REC, B8_SWAP, 0.020)
+    return o
+
+
+def test_figures_measured_under_another_basis_are_dropped_and_the_differences_named() -> None:
+    o = _measured_memory({"model": "a", "gpus": "1", "image": "x"})
+    assert o.rebase({"model": "a", "gpus": "1", "image": "x"}) == [] and list(o.measured(0.0)) == [B16_REC]
+    changed = o.rebase({"model": "b", "gpus": "1", "placement": "any node"})
+    assert changed == ["image: x -> (unset)", "model: a -> b", "placement: (unset) -> any node"]
+    assert o.measured(0.0) == {} and o.pauses() == {} and o.estimate(B16_REC) is None
+    status = o.to_status()  # what the status patch sends: None removes the stored entries
+    assert status["outcomes"] is None and status["switchPauses"] is None
+    assert status["outcomesBasis"] == {"gpus": "1", "model": "b", "placement": "any node"}
+    o.observe({"pod-0": summary(duration_s=30.0, num_waiting_seqs=80.0, prompt_tokens_per_s=500.0,
+                                generation_tokens_per_s=0.0)}, T)
+    assert Outcomes.from_status(o.to_status()).rebase(o.basis) == []  # the new figures hold for the new basis
+
+
+def test_a_memory_without_a_basis_takes_the_current_one_and_keeps_its_figures() -> None:
+    legacy = _measured_memory(None).to_status()
+    assert legacy["outcomesBasis"] is None
+    back = Outcomes.from_status(legacy)
+    assert back.rebase({"model": "a"}) == [] and list(back.measured(0.0)) == [B16_REC] and back.pauses()
+    assert back.to_status()["outcomesBasis"] == {"model": "a"}
+    empty = Outcomes({"model": "a"})  # nothing measured: a new basis drops nothing and says nothing
+    assert empty.rebase({"model": "b"}) == [] and empty.basis == {"model": "b"}

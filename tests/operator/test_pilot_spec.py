@@ -1,4 +1,5 @@
-"""spec.autotune and spec.autoscaling as the pilot reads them, and the pods it scrapes."""
+"""spec.autotune and spec.autoscaling as the pilot reads them, the basis its measured outcomes hold
+for, and the pods it scrapes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from kvpilot.operator.autoscale import ScalingSpec
 from kvpilot.operator.autotune import TuningSpec
 from kvpilot.operator.model_source import SpecError
 from kvpilot.operator.pilot import classify
-from kvpilot.operator.pilot_spec import scaling_spec, seconds, tuning_spec
+from kvpilot.operator.pilot_spec import measurement_basis, scaling_spec, seconds, tuning_spec
 from kvpilot.operator.spec import InferenceServiceSpec
 
 
@@ -97,3 +98,43 @@ def test_only_ready_pods_with_an_ip_are_scraped_and_leaving_ones_are_not_counted
     assert [(e.pod, e.url("/metrics")) for e in pods.endpoints] == [
         ("a", "http://10.0.0.1:8000/metrics"), ("f", "http://10.0.0.1:8000/metrics")]
     assert pods.deletion_costs["f"] == "300" and pods.deletion_costs["a"] is None
+
+
+BASE = {"model": {"source": "hf://org/model"}, "engine": {"swapSpace": 8}}
+
+
+def _basis(spec: dict[str, Any], image: str = "registry/runtime:1") -> dict[str, str]:
+    return dict(measurement_basis(InferenceServiceSpec.model_validate(spec), image))
+
+
+def test_the_basis_names_the_model_image_gpus_placement_and_the_engine_flags_set() -> None:
+    assert _basis(BASE) == {"model": "hf://org/model (auto, auto, quantization none)", "image": "registry/runtime:1",
+                            "gpus": "1 a pod, tensor parallel 1", "placement": "any node", "engine": "swapSpace=8.0"}
+
+
+@pytest.mark.parametrize("edit", [
+    {"model": {"source": "hf://org/other"}}, {"model": {"source": "hf://org/model", "dtype": "float16"}},
+    {"resources": {"gpus": 2}}, {"tensorParallelSize": 2},
+    {"placement": {"nodeSelector": {"nvidia.com/gpu.product": "H200"}}},
+    {"placement": {"affinity": {"nodeAffinity": {}}}},
+    {"engine": {"swapSpace": 8, "maxModelLen": 4096}}, {"engine": {"swapSpace": 8, "gpuMemoryUtilization": 0.8}},
+    {"engine": {"swapSpace": 8, "maxNumSeqs": 128}}, {"engine": {"swapSpace": 4}},
+])
+def test_what_changes_a_configurations_capacity_changes_the_basis(edit: dict[str, Any]) -> None:
+    assert _basis({**BASE, **edit}) != _basis(BASE)
+
+
+@pytest.mark.parametrize("edit", [
+    # the tuned knobs, logging and metrics, the queue's bound, the seed, the replicas, both loops
+    {"engine": {"swapSpace": 8, "blockSize": 32, "preemptionMode": "swap", "disableLogStats": True,
+                "metricInterval": 5, "maxQueueLen": 10, "seed": 3}},
+    {"engine": {"swapSpace": 8, "maxNumSeqs": 256}},  # a default spelled out
+    {"replicas": 3, "autotune": {"enabled": True}, "autoscaling": {"enabled": True, "maxReplicas": 9}},
+    {"podLabels": {"team": "a"}, "resources": {"gpus": 1, "memory": "32Gi"}},
+])
+def test_what_leaves_a_configurations_capacity_alone_keeps_the_basis(edit: dict[str, Any]) -> None:
+    assert _basis({**BASE, **edit}) == _basis(BASE)
+
+
+def test_another_image_is_another_basis() -> None:
+    assert _basis(BASE, "registry/runtime:2") != _basis(BASE)
