@@ -12,6 +12,7 @@ period.
 Usage (GPU): PYTHONSAFEPATH=1 python3 benchmarks/bench_engine_gpu.py [--batches 1 32 128 256] [--out FILE]
                  [--enforce-eager]  (an engine without graphs: eager rows only)
                  [--async-scheduling both|on|off]  (default both)
+                 [--prompt-len 512] [--new-tokens 128]  (a step's context: the prompt plus half the new tokens)
 """
 
 from __future__ import annotations
@@ -131,17 +132,21 @@ def decode_steps(llm: LLM, prompts: list[list[int]], forward_spans: list[Span], 
 
 
 def main() -> None:
+    global PROMPT_LEN, NEW_TOKENS
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128, 256])
     parser.add_argument("--out", type=Path, help="also write the rows here as JSON")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     parser.add_argument("--async-scheduling", choices=("both", "on", "off"), default="both",
                         help="decode-graph rows with async scheduling, without, or both (switched in one engine)")
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     args = parser.parse_args()
+    PROMPT_LEN, NEW_TOKENS = args.prompt_len, args.new_tokens
     async_modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.async_scheduling]
     rate = copy_rate()
     head = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_TBps": rate / 1e12,
-            "cuda_graphs": not args.enforce_eager}
+            "cuda_graphs": not args.enforce_eager, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS}
     print(json.dumps(head), flush=True)
     rows = throughput(args.batches, rate, args.enforce_eager, async_modes)
     if args.out:
