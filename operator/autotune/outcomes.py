@@ -59,6 +59,7 @@ class Estimate:
 
 
 Switch = tuple[EngineTarget, EngineTarget]  # (from, to)
+_ABSENT = object()  # a status key left out of the patch (None would remove what is stored)
 
 
 class Outcomes:
@@ -66,6 +67,7 @@ class Outcomes:
         self._sums: dict[EngineTarget, tuple[float, float, float, int]] = {}  # seconds, sum w*x, sum w*x^2, windows
         self._pauses: dict[Switch, tuple[float, int]] = {}  # summed pause seconds, switches
         self.basis: dict[str, str] = dict(basis or {})
+        self._dropped = False  # a rebase dropped figures: status must lose them too, until new ones come
 
     def rebase(self, basis: Mapping[str, str]) -> list[str]:
         """Holds the figures to `basis` from now on. When they were measured under another one,
@@ -79,6 +81,7 @@ class Outcomes:
             return []
         self._sums.clear()
         self._pauses.clear()
+        self._dropped = True
         return [f"{key}: {known.get(key, '(unset)')} -> {basis.get(key, '(unset)')}"
                 for key in sorted(known.keys() | basis.keys()) if known.get(key) != basis.get(key)]
 
@@ -135,9 +138,11 @@ class Outcomes:
 
     def to_status(self) -> dict[str, Any]:
         """`status.tuning.outcomes`, `status.tuning.switchPauses` and `status.tuning.outcomesBasis`
-        (each None while empty, so that the status patch removes what `rebase` dropped): the sums
-        behind each estimate as mean, spread and weight, so `from_status` restores them."""
-        out: dict[str, Any] = {"outcomes": None, "switchPauses": None, "outcomesBasis": None}
+        (each left out while empty; None after `rebase` dropped them, so that the status patch
+        removes them): the sums behind each estimate as mean, spread and weight, so `from_status`
+        restores them."""
+        gone = None if self._dropped else _ABSENT
+        out: dict[str, Any] = {"outcomes": gone, "switchPauses": gone}
         rows = []
         for config, (w, sx, sxx, n) in sorted(self._sums.items(), key=lambda kv: _order(kv[0])):
             mean = sx / w
@@ -153,7 +158,7 @@ class Outcomes:
                                                                     key=lambda kv: (_order(kv[0][0]), _order(kv[0][1])))]
         if self.basis:
             out["outcomesBasis"] = dict(sorted(self.basis.items()))
-        return out
+        return {k: v for k, v in out.items() if v is not _ABSENT}
 
     @classmethod
     def from_status(cls, tuning: Mapping[str, Any]) -> Outcomes:

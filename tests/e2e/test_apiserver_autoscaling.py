@@ -125,6 +125,9 @@ def test_the_tuners_memory_in_status_survives_the_schema_and_an_operator_restart
 
     def tuning() -> dict[str, object]:
         return (control_plane.get("kvis", "smol", namespace) or {}).get("status", {}).get("tuning", {})
+    # a memory written without a basis takes the spec's (kept by the schema) and keeps its figures
+    basis = eventually(lambda: tuning().get("outcomesBasis"), what="status.tuning.outcomesBasis")
+    assert basis["engine"] == "swapSpace=1.0" and set(basis) == {"model", "image", "gpus", "placement", "engine"}
     kept = {k: v for k, v in tuning().items() if k in memory}
     assert kept == memory
     operator.stop()
@@ -132,7 +135,7 @@ def test_the_tuners_memory_in_status_survives_the_schema_and_an_operator_restart
     eventually(lambda: operator.reconciles() > 0, what="the restarted operator reconciling")
     eventually(lambda: _condition(control_plane, namespace, "smol", "Tuned") == ("Unknown", "AwaitingMetrics"),
                what="Tuned=Unknown AwaitingMetrics from the restarted operator")
-    assert {k: v for k, v in tuning().items() if k in memory} == memory
+    assert {k: v for k, v in tuning().items() if k in memory} == memory and tuning()["outcomesBasis"] == basis
 
 
 def test_the_chart_rbac_sufficed_for_the_pilot(operator: OperatorProcess) -> None:

@@ -262,7 +262,7 @@ def test_an_unreadable_entry_in_status_is_dropped_not_fatal() -> None:
                                 "pauseMs": 1.0, "switches": 1}]}
     back = Outcomes.from_status(status)
     assert list(back.measured(0.0)) == [B8_SWAP] and back.pauses() == {}
-    assert Outcomes.from_status({}).to_status() == {"outcomes": None, "switchPauses": None, "outcomesBasis": None}
+    assert Outcomes.from_status({}).to_status() == {}
 
 
 def _measured_memory(basis: dict[str, str] | None) -> Outcomes:
@@ -284,14 +284,17 @@ def test_figures_measured_under_another_basis_are_dropped_and_the_differences_na
     assert status["outcomesBasis"] == {"gpus": "1", "model": "b", "placement": "any node"}
     o.observe({"pod-0": summary(duration_s=30.0, num_waiting_seqs=80.0, prompt_tokens_per_s=500.0,
                                 generation_tokens_per_s=0.0)}, T)
-    assert Outcomes.from_status(o.to_status()).rebase(o.basis) == []  # the new figures hold for the new basis
+    status = o.to_status()  # the new figures are written; the pauses stay removed until one is seen
+    assert [r["tokensPerSecond"] for r in status["outcomes"]] == [500.0] and status["switchPauses"] is None
+    assert Outcomes.from_status(status).rebase(o.basis) == []  # the new figures hold for the new basis
 
 
 def test_a_memory_without_a_basis_takes_the_current_one_and_keeps_its_figures() -> None:
     legacy = _measured_memory(None).to_status()
-    assert legacy["outcomesBasis"] is None
+    assert "outcomesBasis" not in legacy
     back = Outcomes.from_status(legacy)
     assert back.rebase({"model": "a"}) == [] and list(back.measured(0.0)) == [B16_REC] and back.pauses()
-    assert back.to_status()["outcomesBasis"] == {"model": "a"}
+    status = back.to_status()
+    assert status["outcomesBasis"] == {"model": "a"} and status["outcomes"] and status["switchPauses"]
     empty = Outcomes({"model": "a"})  # nothing measured: a new basis drops nothing and says nothing
     assert empty.rebase({"model": "b"}) == [] and empty.basis == {"model": "b"}
