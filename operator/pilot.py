@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 Manifest = dict[str, Any]
 SCRAPE_TIMEOUT_S = 5.0
 IDLE_INTERVAL_S = 15.0  # deletion costs alone (modes hpa and keda): as often as an HPA syncs
+POD_TEMPLATE_LABEL = "pod-template-hash"  # set by the Deployment controller on each ReplicaSet's pods
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,9 @@ class Pods:
     states: dict[str, PodState]
     endpoints: list[PodEndpoint]
     deletion_costs: dict[str, str | None]  # the annotation as it stands, by pod
+    # the pod templates (the Deployment's pod-template-hash labels) of every pod, whatever its
+    # state: more than one while a rollout replaces the pods of one spec with another's
+    templates: frozenset[str] = frozenset()
 
 
 def classify(pods: list[Manifest]) -> Pods:
@@ -115,11 +119,14 @@ def classify(pods: list[Manifest]) -> Pods:
     from .autoscale.deletion_cost import DELETION_COST_ANNOTATION
 
     states: dict[str, PodState] = {}
-    endpoints, costs = [], {}
+    endpoints, costs, templates = [], {}, set()
     for pod in pods:
         meta, status = pod.get("metadata", {}), pod.get("status", {}) or {}
         name = meta["name"]
         costs[name] = (meta.get("annotations") or {}).get(DELETION_COST_ANNOTATION)
+        template = (meta.get("labels") or {}).get(POD_TEMPLATE_LABEL)
+        if template:
+            templates.add(template)
         ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
         if meta.get("deletionTimestamp") or status.get("phase") in ("Failed", "Succeeded"):
             states[name] = "leaving"
@@ -128,7 +135,7 @@ def classify(pods: list[Manifest]) -> Pods:
             endpoints.append(PodEndpoint(name, status["podIP"], _serving_port(pod)))
         else:
             states[name] = "starting"
-    return Pods(states, sorted(endpoints, key=lambda e: e.pod), costs)
+    return Pods(states, sorted(endpoints, key=lambda e: e.pod), costs, frozenset(templates))
 
 
 def _serving_port(pod: Manifest) -> int:

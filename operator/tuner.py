@@ -12,7 +12,8 @@
   for (`autotune.Outcomes`) go into status.tuning with the config, and a restarted operator
   reloads them, so it neither measures again nor retries what it already found worse. A spec
   whose model, image, GPUs, placement or engine flags changed drops them (Event
-  TuningOutcomesReset): they held for the old one.
+  TuningOutcomesReset): they held for the old one. Nothing is measured while pods of two pod
+  templates run (a rollout of another spec under way).
 With `apply: rollout` there is no canary: the decision becomes the config in force, and the
 reconcile writes it into the Deployment's flags, which rolls the pods.
 
@@ -130,7 +131,8 @@ class Tuner:
                                         f"another spec: {'; '.join(changed)}")
         endpoints = {e.pod: e for e in pods.endpoints if e.pod in report.samples}
         self.pods = {p: (s.settings.block_size, s.settings.preemption_mode) for p, s in report.samples.items()}
-        if self.observed is not None:
+        # while a rollout runs pods of two specs, their windows are no configuration's capacity
+        if self.observed is not None and len(pods.templates) <= 1:
             self.outcomes.observe(self.pilot.scraper.summaries(since=self.observed), spec.thresholds,
                                   last_change=self.last_change)
         self.observed = now

@@ -12,6 +12,7 @@ last test drives a real `kvpilot serve` (the embedded model on CPU) through a ca
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import json
@@ -306,6 +307,32 @@ async def test_outcomes_are_kept_for_the_spec_they_were_measured_under_and_dropp
         assert _status(cluster)["tuning"]["outcomesBasis"] == {**basis, "engine": "maxModelLen=1024, swapSpace=1.0"}
         reset = [m for _, reason, m in cluster.events("smol") if reason == "TuningOutcomesReset"]
         assert len(reset) == 1 and "engine: swapSpace=1.0 -> maxModelLen=1024, swapSpace=1.0" in reset[0], reset
+
+
+async def test_nothing_is_measured_while_pods_of_two_templates_serve(cluster: Any, pods: Any) -> None:
+    """Saturated pods of two pod templates (a rollout under way) add no outcome; once one
+    template is left, the same load does."""
+    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 2,
+            "engine": {"swapSpace": 1},  # pressure to the config in force: measured, never switched
+            "autotune": {**FAST_TUNING, "pressure": {"blockSize": 16, "preemptionMode": "recompute"}}}
+    async with operator():
+        await cluster.create_isvc("smol", spec)
+        engines = await pods(["smol-a", "smol-b"])
+        for name, template in (("smol-a", "old"), ("smol-b", "new")):
+            await cluster.request("PATCH", f"/api/v1/namespaces/{NS}/pods/{name}",
+                                  {"metadata": {"labels": {"pod-template-hash": template}}})
+        for engine in engines.values():
+            engine.waiting = 150
+        await eventually(lambda: "queue depth 150.0" in next(
+            (c["message"] for c in _status(cluster).get("conditions", []) if c["type"] == "Tuned"), ""),
+            timeout=20, what="the tuner deciding on the saturated pods")
+        await asyncio.sleep(4)  # several passes of the 1 s interval, every one saturated
+        assert _outcome(_status(cluster), 16, "recompute") is None
+        await cluster.request("PATCH", f"/api/v1/namespaces/{NS}/pods/smol-a",
+                              {"metadata": {"labels": {"pod-template-hash": "new"}}})
+        await eventually(lambda: (_outcome(_status(cluster), 16, "recompute") or {}).get("windows", 0) >= 1,
+                         what="16/recompute measured once one template is left")
+        assert engines["smol-a"].posts == [] and engines["smol-b"].posts == []
 
 
 async def test_a_pod_that_refuses_the_admin_call_leaves_the_service_on_its_config(cluster: Any, pods: Any) -> None:

@@ -98,6 +98,17 @@ def test_only_ready_pods_with_an_ip_are_scraped_and_leaving_ones_are_not_counted
     assert [(e.pod, e.url("/metrics")) for e in pods.endpoints] == [
         ("a", "http://10.0.0.1:8000/metrics"), ("f", "http://10.0.0.1:8000/metrics")]
     assert pods.deletion_costs["f"] == "300" and pods.deletion_costs["a"] is None
+    assert pods.templates == frozenset()  # no pod-template-hash: not a Deployment's pods
+
+
+def test_the_pod_templates_of_pods_in_any_state_are_collected() -> None:
+    """Two templates while a rollout replaces pods: a new one still starting counts, as does an
+    old one on its way out."""
+    labels = lambda h: {"labels": {"pod-template-hash": h}}  # noqa: E731
+    rolling = classify([_pod("a", metadata=labels("old")), _pod("b", ready=False, metadata=labels("new")),
+                        _pod("c", metadata={**labels("old"), "deletionTimestamp": "2026-01-01T00:00:00Z"})])
+    assert rolling.templates == {"old", "new"}
+    assert classify([_pod("a", metadata=labels("new")), _pod("b", metadata=labels("new"))]).templates == {"new"}
 
 
 BASE = {"model": {"source": "hf://org/model"}, "engine": {"swapSpace": 8}}
