@@ -97,10 +97,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     async def stop(memo: kopf.Memo, **_: Any) -> None:
         if getattr(memo, "health", None) is not None:
             await memo.health.close()
-        if getattr(memo, "pilots", None) is not None:
-            await memo.pilots.close()
+        # the workers first: a reconcile (re)starts pilots, so they are closed once none runs
         if getattr(memo, "runner", None) is not None:
             await memo.runner.stop()
+        if getattr(memo, "pilots", None) is not None:
+            await memo.pilots.close()
         if getattr(memo, "kube", None) is not None:
             memo.kube.close()
 

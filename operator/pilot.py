@@ -284,6 +284,7 @@ class Pilots:
         self.loop = asyncio.get_running_loop()
         self.session = aiohttp.ClientSession()
         self.pilots: dict[Key, Pilot] = {}
+        self.closed = False  # a reconcile still in its thread at shutdown starts no pilot after close
 
     def view(self, key: Key) -> PilotView | None:
         pilot = self.pilots.get(key)
@@ -294,6 +295,8 @@ class Pilots:
         self.loop.call_soon_threadsafe(self._sync, key, settings, dict(status))
 
     def _sync(self, key: Key, settings: PilotSettings | None, status: Manifest) -> None:
+        if self.closed:
+            return
         pilot = self.pilots.get(key)
         if settings is None or not settings.active:
             if pilot is not None:
@@ -307,6 +310,7 @@ class Pilots:
             pilot.update(settings)
 
     async def close(self) -> None:
+        self.closed = True
         for pilot in list(self.pilots.values()):
             await pilot.stop()
         self.pilots.clear()
