@@ -183,8 +183,8 @@ class Pilot:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # waits for it to end without taking its CancelledError for one of the caller's own
+            await asyncio.wait([self._task])
         self.scraper.close()
 
     async def _run(self) -> None:

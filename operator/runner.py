@@ -8,7 +8,6 @@ synchronous) and decides, from its outcome, whether and when the key runs again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from .controller import Controller, Key, Next
@@ -46,9 +45,9 @@ class Runner:
         self.queue.shut_down()
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            # waits for them to end without taking their CancelledError for one of the caller's own
+            await asyncio.wait(self._tasks)
 
     def seen(self, key: Key, deleted: bool) -> None:
         """An event of the InferenceService itself (or the initial listing of it)."""
