@@ -10,6 +10,13 @@ Compared, on the same arrivals (one seed):
   own scrapes (every `--scrape-interval`) averaged over the spec's window, HPA behavior defaults;
 * `builtin-kvCacheUsage@0.85` — the serving-engine rule of thumb: add replicas while KV-cache
   usage stays above 85%.
+Beside them two yardsticks that no cluster can run, scaled on the trace's own rate with the same
+behavior (`fleet.Foresight`):
+* `reactive-bound` — knows the present arrival rate exactly, with no scrape, lag or noise: what
+  the best signal a reactive policy could have would buy. A policy's gap to it is its signal's
+  cost; the bound's own losses are the start-up delay's, which no reactive policy avoids;
+* `clairvoyant` — knows the rate a start-up delay plus one interval ahead: what prediction could
+  buy at most.
 Targets, unless a policy fixes its own, are each signal's value on the curve at `--headroom` times
 the highest per-replica rate that meets the SLO, so every policy aims at the same load per replica.
 A lower headroom buys slack for what a reactive policy cannot see coming (a burst, a ramp faster
@@ -37,7 +44,7 @@ from pathlib import Path
 from kvpilot.bench.arrival_trace import DAY_S, Trace, TraceError, day_trace, load_trace
 from kvpilot.bench.capacity_curve import CapacityCurve, CurveError, load_curve
 from kvpilot.bench.flags import positive
-from kvpilot.bench.fleet import Pipeline, Policy, SimConfig, simulate
+from kvpilot.bench.fleet import Foresight, Pipeline, Policy, SimConfig, simulate
 from kvpilot.bench.self_check import self_check
 from kvpilot.operator.autoscale import ScalingSpec
 
@@ -188,6 +195,12 @@ def _plan(args: argparse.Namespace, curve: CapacityCurve, trace: Trace, slo_rate
                                                       plan.skipped.get("builtin-waitingPerReplica", ""))
         for metric, target in targets.items():
             _builtin(plan, f"builtin-{metric}", suffix, metric, target, max_replicas, builtin, initial)
+        # The spec gives the yardsticks the policies' behavior, bounds and interval; its metric is unused.
+        spec = ScalingSpec(enabled=True, max_replicas=max_replicas)
+        for family, seconds in (("reactive-bound", 0.0), ("clairvoyant", args.startup_delay + spec.interval)):
+            plan.add(family, Policy(family + suffix, spec, builtin, initial, Foresight(seconds, target_rate)),
+                     f"the trace's rate{f' {seconds:g} s ahead' if seconds else ''}, {target_rate:.3g} req/s "
+                     f"per replica")
     if "kv_cache_usage" in curve.gauges:
         initial = min(max_replicas, max(1, math.ceil(float(trace.rates[0]) / (headrooms[0] * slo_rate))))
         _builtin(plan, f"builtin-kvCacheUsage@{ARTICLE_KV_TARGET:g}", "", "kvCacheUsage", ARTICLE_KV_TARGET,

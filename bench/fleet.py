@@ -24,8 +24,8 @@ them: varying around the curve's means at its load (waiting a geometric count, a
 length is; running a Poisson count; KV usage in proportion to running) plus its backlog, with its
 counters.
 Every `spec.interval` the policy reads the scrapes at least `metrics_lag_s` old through the
-operator's own `decide_replicas`, on `WindowSummary`s built from them, and the fleet follows at
-once: a new replica is Ready `startup_s` later; a removed one leaves the load balancer at once
+operator's own `decide_replicas`, on `WindowSummary`s built from them (a reference fleet with
+`Foresight` reads the trace's rate instead), and the fleet follows at once: a new replica is Ready `startup_s` later; a removed one leaves the load balancer at once
 and drains, costing until its last request finishes (`drain_s`). Only the drain moves a finish:
 a request's E2E in the results (and the E2E SLO) is its draw at its arrival's load. The replica
 removed is a starting one first (the ReplicaSet's order), then the one of lowest
@@ -51,6 +51,7 @@ from kvpilot.operator.autoscale import (
     decide_replicas,
     deletion_costs,
 )
+from kvpilot.operator.autoscale.behavior import normalize
 from kvpilot.operator.autotune import EngineSettings, Histogram, WindowSummary
 
 # The runtime's TTFT buckets (runtime/server/metrics.py), so a P99 read from the simulated histograms
@@ -92,11 +93,31 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
+class Foresight:
+    """A yardstick, not a policy a cluster can run: the fleet reads the arrival rate from the
+    trace, the highest over the next `seconds` (0: the present rate, exact and without lag, which
+    is the most any signal of the pods could tell a reactive policy), and asks for
+    ceil(rate / `rate_per_replica`) replicas, through the spec's behavior and bounds as a policy's
+    estimate goes. With `seconds` at the start-up delay plus the decision interval it is
+    clairvoyant: its replicas are Ready before the load that needs them arrives."""
+
+    seconds: float
+    rate_per_replica: float
+
+    def __post_init__(self) -> None:
+        if self.seconds < 0:
+            raise ValueError(f"seconds: must be >= 0, not {self.seconds}")
+        if self.rate_per_replica <= 0:
+            raise ValueError(f"rate_per_replica: must be positive, not {self.rate_per_replica}")
+
+
+@dataclass(frozen=True)
 class Policy:
     name: str
     spec: ScalingSpec | None  # None: a fixed fleet
     pipeline: Pipeline
     initial_replicas: int
+    foresight: Foresight | None = None  # set: a reference fleet scaled on the trace's rate, not on metrics
 
 
 @dataclass(frozen=True)
@@ -183,6 +204,7 @@ class _Simulation:
         # arrivals from a stream of their own, so every policy is offered the very same requests
         self.arrivals = np.random.default_rng([config.seed, 1])
         self.result = FleetResult(policy.name)
+        self.rates = trace.tick_rates(config.tick_s)
         self.replicas: list[_Replica] = []
         self.state = ScalerState()
         self.backlog = np.zeros(0)  # requests beyond the capacity, waiting
@@ -200,7 +222,7 @@ class _Simulation:
             self._add(0.0, ready_at=0.0)
 
     def run(self) -> FleetResult:
-        tick, rates = self.config.tick_s, self.trace.tick_rates(self.config.tick_s)
+        tick, rates = self.config.tick_s, self.rates
         spec, pipeline = self.policy.spec, self.policy.pipeline
         next_scrape, next_decision = 0.0, (spec.interval if spec else math.inf)
         self._refresh_ready(0.0)
@@ -306,23 +328,38 @@ class _Simulation:
         for r in alive:
             if r.name in costs:
                 r.cost = str(costs[r.name])
-        decision = decide_replicas(summaries, {r.name: r.state(now) for r in alive}, len(alive), spec,
-                                   self.state, now=now)
-        if decision.desired == decision.current:
-            self.state = decision.state
+        current = len(alive)
+        if self.policy.foresight is None:
+            decision = decide_replicas(summaries, {r.name: r.state(now) for r in alive}, current, spec,
+                                       self.state, now=now)
+            desired, state, scaled_state = decision.desired, decision.state, decision.scaled_state
+        else:
+            desired, state = self._foresee(now, spec, current, self.policy.foresight)
+            scaled_state = state.scaled(now, current, desired, spec.behavior)
+        if desired == current:
+            self.state = state
             return
-        self.state = decision.scaled_state
+        self.state = scaled_state
         self.result.num_scale_events += 1
-        if decision.desired > decision.current:
-            for _ in range(decision.desired - decision.current):
+        if desired > current:
+            for _ in range(desired - current):
                 self._add(now, ready_at=now + self.config.startup_s)
         else:
             order = sorted(alive, key=lambda r: (r.state(now) == "ready", int(r.cost or 0), -r.created))
-            for r in order[:decision.current - decision.desired]:
+            for r in order[:current - desired]:
                 r.removed_at = now
                 work = max(0.0, float(self.finish[r.slot] - self.clock[r.slot]))
                 self.busy_until[r.slot] = now + drain_s(self.curve, work, float(self.backlog[r.slot]))
         self._refresh_ready(now)
+
+    def _foresee(self, now: float, spec: ScalingSpec, current: int, foresight: Foresight) -> tuple[int, ScalerState]:
+        tick = self.config.tick_s
+        first = round(now / tick)
+        ahead = self.rates[first:first + int(foresight.seconds / tick) + 1]
+        rate = float(ahead.max()) if len(ahead) else 0.0
+        estimate = max(spec.min_replicas, math.ceil(round(rate / foresight.rate_per_replica, 9)))
+        n = normalize(estimate, current, spec.min_replicas, spec.max_replicas, spec.behavior, self.state, now)
+        return n.replicas, n.state
 
     def _summary(self, r: _Replica, seen: float, window: float) -> WindowSummary | None:
         """The window the operator's scraper would hand the policy: the scrapes in

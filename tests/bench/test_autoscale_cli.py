@@ -28,13 +28,17 @@ def test_a_short_day_writes_json_and_a_png(tmp_path: Path, capsys: pytest.Captur
     body = json.loads(out.read_text())
     names = [p["policy"] for p in body["policies"]]
     assert names == ["static-peak", "hpa-queue", "builtin-kvCacheUsage", "builtin-waitingPerReplica",
-                     "builtin-preemptionRate", "builtin-ttftP99", "builtin-kvCacheUsage@0.85"]
+                     "builtin-preemptionRate", "builtin-ttftP99", "reactive-bound", "clairvoyant",
+                     "builtin-kvCacheUsage@0.85"]
     static = body["policies"][0]
     assert static["replica_hours_vs_static"] == 1.0 and static["num_scale_events"] == 0
     assert static["max_replicas"] >= body["trace"]["peak"] / body["curve"]["slo_rate_per_replica"]
     assert all(0 <= p["slo_attainment"] <= 1 and p["replica_hours"] > 0 for p in body["policies"])
     assert len({p["num_requests"] for p in body["policies"]}) == 1  # the same arrivals for every policy
     assert body["self_check"]["passed"] and body["self_check"]["max_error"] <= 0.10
+    # the yardsticks: knowing the load ahead never does worse than knowing it now
+    by_name = {p["policy"]: p for p in body["policies"]}
+    assert by_name["clairvoyant"]["slo_attainment"] >= by_name["reactive-bound"]["slo_attainment"]
     assert body["curve"]["description"].startswith("EXAMPLE, NOT A MEASUREMENT")
     assert len(body["timeline"]["builtin-ttftP99"]["replicas"]) == 60
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

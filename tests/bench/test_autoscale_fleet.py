@@ -15,7 +15,7 @@ import pytest
 from kvpilot.bench import fleet
 from kvpilot.bench.arrival_trace import Trace
 from kvpilot.bench.capacity_curve import load_curve, parse_curve
-from kvpilot.bench.fleet import TTFT_BUCKETS, Pipeline, Policy, SimConfig, simulate
+from kvpilot.bench.fleet import TTFT_BUCKETS, Foresight, Pipeline, Policy, SimConfig, simulate
 from kvpilot.bench.loadgen import arrival_times
 from kvpilot.bench.self_check import finite_run_throughput, self_check
 from kvpilot.operator.autoscale import ScalingSpec
@@ -93,6 +93,38 @@ def test_a_step_in_load_is_met_once_new_replicas_are_ready() -> None:
     assert min(t[4] for t in result.timeline if t[0] > 1300) == 1.0
     assert 0.5 < result.slo_attainment < 0.9  # the minutes before the new replicas were ready cost
     assert result.num_scale_events >= 2
+
+
+def test_the_reactive_bound_follows_the_present_rate_and_pays_the_start_up_delay() -> None:
+    spec = ScalingSpec(enabled=True, max_replicas=20)  # behavior and bounds; the yardstick reads no metric
+    policy = Policy("reactive-bound", spec, SCRAPES, 2, Foresight(0.0, 8.0))
+    result = simulate(CURVE, step(10.0, 60.0, 600, 1800), policy, CONFIG)
+    by_minute = {round(t[0]): t for t in result.timeline}
+    assert by_minute[600][2:4] == (2, 2)  # ceil(10 / 8): the bound holds no more than the rate asks
+    assert by_minute[660][2] == 8  # ceil(60 / 8) ordered within the minute after the step
+    assert by_minute[720][3] == 2  # ...and none of them Ready before the start-up delay
+    assert min(t[0] for t in result.timeline if t[3] > 2) >= 600 + CONFIG.startup_s
+    assert result.num_scale_events == 2  # 2 -> 6 -> 8: the scaleUp policies allow 4 pods a period
+    assert 0.5 < result.slo_attainment < 0.95  # it loses what the start-up delay loses, as any reactive policy
+
+
+def test_a_clairvoyant_fleet_is_ready_before_the_load_arrives() -> None:
+    spec = ScalingSpec(enabled=True, max_replicas=20)
+    seconds = CONFIG.startup_s + spec.interval
+    policy = Policy("clairvoyant", spec, SCRAPES, 2, Foresight(seconds, 8.0))
+    result = simulate(CURVE, step(10.0, 60.0, 600, 1800), policy, CONFIG)
+    by_minute = {round(t[0]): t for t in result.timeline}
+    assert by_minute[420][2] == 2  # nothing ordered before the step is within its sight
+    assert by_minute[600][2] == 8  # ordered in time, the scaleUp policies' limits included...
+    assert by_minute[660][3] == 8  # ...so every replica is Ready as the step comes
+    assert result.slo_attainment == 1.0 and result.num_failed == 0
+
+
+def test_a_foresight_must_be_possible() -> None:
+    with pytest.raises(ValueError, match="seconds: must be >= 0"):
+        Foresight(-1.0, 8.0)
+    with pytest.raises(ValueError, match="rate_per_replica: must be positive"):
+        Foresight(0.0, 0.0)
 
 
 def test_replicas_scaled_down_drain_and_cost_until_their_last_request() -> None:
