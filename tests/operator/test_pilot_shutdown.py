@@ -1,0 +1,57 @@
+"""The pilots at the operator's shutdown: a reconcile that ends after them starts none, and
+stopping one lets a cancellation of the caller through."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import cast
+
+import aiohttp
+import pytest
+
+from kvpilot.operator.autoscale import ScalingSpec
+from kvpilot.operator.autotune import EngineLimits, TuningSpec
+from kvpilot.operator.controller import Key
+from kvpilot.operator.kube import Kube
+from kvpilot.operator.manifests import Owner
+from kvpilot.operator.pilot import Pilot, Pilots, PilotSettings
+
+KEY = Key("serving", "llama")
+SETTINGS = PilotSettings(Owner(name="llama", namespace="serving", uid="0b8e7c9e-1111-2222-3333-444455556666"),
+                         TuningSpec(enabled=True), ScalingSpec(), EngineLimits(4, 2048, True), "operator-0")
+NO_KUBE = cast(Kube, None)  # neither test reaches the API server
+
+
+async def test_a_reconcile_that_ends_after_the_pilots_closed_starts_no_pilot() -> None:
+    pilots = Pilots(NO_KUBE, "operator-0", poke=lambda key: None)
+    await pilots.close()
+    # what a worker thread still in its reconcile does once it is done
+    await asyncio.to_thread(pilots.sync, KEY, SETTINGS, {})
+    await asyncio.sleep(0.05)  # the loop runs the call the thread scheduled
+    assert pilots.pilots == {} and pilots.view(KEY) is None
+
+
+async def test_stopping_a_pilot_lets_the_callers_cancellation_through() -> None:
+    release = asyncio.Event()
+
+    async def slow_to_end() -> None:  # a pass that takes a while to unwind once cancelled
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await release.wait()
+
+    async with aiohttp.ClientSession() as session:
+        pilot = Pilot(KEY, NO_KUBE, session, SETTINGS, {}, poke=lambda key: None)
+        pilot._task = asyncio.create_task(slow_to_end())
+        await asyncio.sleep(0)
+        stopping = asyncio.create_task(pilot.stop())
+        await asyncio.sleep(0.05)
+        stopping.cancel()
+        # the shutdown was cancelled: it ends now, cancelled, not once the pass has unwound
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(stopping, timeout=1.0)
+        assert stopping.cancelled() and not pilot._task.done()
+        release.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pilot._task
