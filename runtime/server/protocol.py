@@ -2,7 +2,10 @@
 
 Fields follow OpenAI's API plus vLLM's extra sampling fields (`top_k`, `min_p`,
 `repetition_penalty`, ...). Unknown fields are ignored, as OpenAI clients send `extra_body`
-freely; wrong types are rejected (the server turns pydantic's errors into a 400).
+freely; wrong types are rejected (the server turns pydantic's errors into a 400). OpenAI fields
+that change what a client gets back and that this server cannot honour (tool calls, a JSON
+response format, `logit_bias`, `echo`, `suffix`) are refused with a 400 naming the field, never
+ignored: a client relying on them would otherwise take plain text for their result.
 """
 
 from __future__ import annotations
@@ -62,11 +65,14 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     # vLLM's scheduling extra: lower runs first under --scheduler-policy priority (ignored otherwise)
     priority: int = 0
+    logit_bias: dict[str, float] | None = None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for values out of range."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.logit_bias:
+            raise ValueError("logit_bias: is not supported by this server")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -123,10 +129,24 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    # refused unless they ask for nothing this server cannot do (no tool-call parser, no guided decoding)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        for field, choice in (("tools", self.tool_choice), ("functions", self.function_call)):
+            if getattr(self, field) and choice != "none":
+                raise ValueError(f"{field}: tool calling is not supported by this server (it parses no tool calls "
+                                 f"from the output); leave {field} out")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format: type {kind!r} is not supported by this server (no guided "
+                             f"decoding); only 'text'")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(max_tokens, logprobs)

@@ -100,3 +100,31 @@ def test_metrics_carry_no_created_series(server: RunningServer, client: openai.O
     page = httpx.get(f"{server.base_url}/metrics").text
     assert "vllm:num_preemptions_total" in page and "vllm:e2e_request_latency_seconds_count" in page
     assert [line for line in page.splitlines() if "_created" in line] == []
+
+
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": [TOOL]}, "tools"),
+    ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "weather"}}}, "tools"),
+    ({"functions": [TOOL["function"]]}, "functions"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+])
+def test_what_the_server_cannot_honour_is_400_not_ignored(client: openai.OpenAI, extra: dict[str, object],
+                                                          param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1, **extra)  # type: ignore[call-overload]
+    assert info.value.param == param and "not supported" in info.value.message
+
+
+def test_what_asks_for_nothing_more_than_text_is_served(client: openai.OpenAI) -> None:
+    for extra in ({"tools": [TOOL], "tool_choice": "none"}, {"response_format": {"type": "text"}},
+                  {"logit_bias": {}}):
+        reply = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, **extra)  # type: ignore[call-overload]
+        assert reply.choices[0].message.content is not None and not reply.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, logit_bias={"1": 5})
