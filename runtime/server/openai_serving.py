@@ -2,7 +2,9 @@
 
 Both endpoints share one flow: check the model, convert the body to `SamplingParams`, admit the
 request (errors become `APIError`s, so a client gets a 400/429 before any stream starts), then
-either collect the final output or stream SSE chunks. The engine's texts are cumulative and
+either collect the final output or stream SSE chunks. A completions request with several prompts
+is one engine request a prompt, admitted all or none; its choices are numbered prompt by prompt
+(prompt i's sample j is choice i * n + j), as OpenAI numbers them. The engine's texts are cumulative and
 never shrink, so a stream's delta is `text[len(sent):]`. A client that goes away, or a stream
 that is cancelled, aborts its request, which frees its KV blocks before the next step.
 """
@@ -10,10 +12,11 @@ that is cancelled, aborts its request, which frees its KV blocks before the next
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from fastapi import Request
@@ -66,7 +69,7 @@ class OpenAIServing:
                            code="invalid_value") from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         top = body.top_logprobs or 0
-        return await self._serve(request_id, prompt, params, body.priority, raw, body.stream, body.include_usage,
+        return await self._serve(request_id, [prompt], params, body.priority, raw, body.stream, body.include_usage,
                                  body.stream_options is not None and body.stream_options.continuous_usage_stats,
                                  "chat.completion", lambda c, chars, tokens: self._chat_choice(c, chars, tokens, top, body.stream),
                                  tenant=tenant)
@@ -74,9 +77,9 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, raw: Request, tenant: str = DEFAULT_TENANT) -> Response:
         self._check_model(body.model)
         params = _to_params(body.to_sampling_params)
-        prompt = _to_params(body.single_prompt)
+        prompts = _to_params(body.prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        return await self._serve(request_id, prompt, params, body.priority, raw, body.stream, body.include_usage,
+        return await self._serve(request_id, prompts, params, body.priority, raw, body.stream, body.include_usage,
                                  body.stream_options is not None and body.stream_options.continuous_usage_stats,
                                  "text_completion", self._completion_choice, tenant=tenant)
 
@@ -87,26 +90,28 @@ class OpenAIServing:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
 
-    async def _serve(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int, raw: Request,
-                     stream: bool, include_usage: bool, continuous_usage: bool, kind: str,
+    async def _serve(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int,
+                     raw: Request, stream: bool, include_usage: bool, continuous_usage: bool, kind: str,
                      choice: ChoiceBuilder, tenant: str = DEFAULT_TENANT) -> Response:
         refusal = self.unavailable()
         if refusal is not None:
             raise refusal
-        prompt = self._within_limits(prompt, params)
-        outputs = await self._admit(request_id, prompt, params, priority, tenant)
+        prompts = [self._within_limits(prompt, params) for prompt in prompts]
+        streams = await self._admit_all(request_id, prompts, params, priority, tenant)
         created = int(time.time())
         if stream:
-            chunks = self._stream(request_id, outputs, created, kind, choice, include_usage, continuous_usage)
+            chunks = self._stream(request_id, streams, params.n, created, kind, choice, include_usage,
+                                  continuous_usage)
             return StreamingResponse(chunks, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        final = await self._collect(request_id, outputs, raw)
-        if final is None:  # the client went away; nobody reads this
+        finals = await self._collect(streams, raw)
+        if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return JSONResponse({
             "id": request_id, "object": kind, "created": created, "model": self.model_name,
-            "choices": [choice(c, 0, 0) for c in final.outputs],
-            "usage": _usage(final),
+            "choices": [choice(_numbered(c, i * params.n), 0, 0) for i, final in enumerate(finals)
+                        for c in final.outputs],
+            "usage": _usage(finals),
         })
 
     def _within_limits(self, prompt: str | list[int], params: SamplingParams) -> str | list[int]:
@@ -130,6 +135,20 @@ class OpenAIServing:
                            param="max_tokens", code="context_length_exceeded")
         return prompt
 
+    async def _admit_all(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams,
+                         priority: int, tenant: str) -> list[RequestStream]:
+        """One engine request a prompt, all admitted or none: a refusal aborts those already in."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self._admit(sub_id, prompt, params, priority, tenant))
+        except BaseException:
+            for admitted in streams:
+                self.engine.abort(admitted.request_id)
+            raise
+        return streams
+
     async def _admit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      priority: int, tenant: str) -> RequestStream:
         try:
@@ -145,15 +164,16 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param=_field_of(str(e)), code="invalid_value") from None
 
-    async def _collect(self, request_id: str, outputs: RequestStream, raw: Request) -> RequestOutput | None:
-        async def last() -> RequestOutput:
+    async def _collect(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput] | None:
+        """Each stream's final output, in order; None if the client went away first."""
+        async def last(outputs: RequestStream) -> RequestOutput:
             final = None
             async for out in outputs:
                 final = out
             assert final is not None
             return final
 
-        result = asyncio.ensure_future(last())
+        result = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
         disconnect = asyncio.ensure_future(_wait_for_disconnect(raw))
         try:
             done, _ = await asyncio.wait({result, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -161,7 +181,9 @@ class OpenAIServing:
             disconnect.cancel()
             if not result.done():
                 result.cancel()
-                self.engine.abort(request_id)
+            for s in streams:  # a no-op for a finished one
+                if not s.finished:
+                    self.engine.abort(s.request_id)
         if result not in done:
             return None
         try:
@@ -169,7 +191,7 @@ class OpenAIServing:
         except EngineDeadError as e:
             raise APIError(500, str(e), type="internal_error", code="engine_dead") from None
 
-    async def _stream(self, request_id: str, outputs: RequestStream, created: int, kind: str,
+    async def _stream(self, request_id: str, streams: list[RequestStream], n: int, created: int, kind: str,
                       choice: ChoiceBuilder, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
 
@@ -183,12 +205,13 @@ class OpenAIServing:
 
         sent_chars: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
-        last: RequestOutput | None = None
+        last: dict[int, RequestOutput] = {}  # each prompt's latest output
         try:
-            async for out in outputs:
-                last = out
+            async for i, out in _merged(streams):
+                last[i] = out
                 choices = []
                 for c in out.outputs:
+                    c = _numbered(c, i * n)
                     if c.index not in sent_chars:
                         sent_chars[c.index] = sent_tokens[c.index] = 0
                         if kind == "chat.completion":
@@ -203,14 +226,15 @@ class OpenAIServing:
                     sent_chars[c.index] = len(c.text)
                     sent_tokens[c.index] = -1 if c.finished else len(c.token_ids)
                 if choices:
-                    yield event(choices, _usage(out) if continuous_usage else None)
-            if include_usage and last is not None:
-                yield event([], _usage(last))
+                    yield event(choices, _usage(last.values()) if continuous_usage else None)
+            if include_usage and last:
+                yield event([], _usage(last.values()))
         except EngineDeadError as e:
             yield f"data: {json.dumps(APIError(500, str(e), type='internal_error', code='engine_dead').body())}\n\n"
         finally:
-            if not outputs.finished:  # cancelled: the client went away or the server stops
-                self.engine.abort(request_id)
+            for s in streams:
+                if not s.finished:  # cancelled: the client went away or the server stops
+                    self.engine.abort(s.request_id)
         yield "data: [DONE]\n\n"
 
     # ---- response bodies -------------------------------------------------------------------
@@ -262,9 +286,49 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
-    prompt = len(out.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in out.outputs)
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of every stream as they come, each with its stream's position; the first
+    error of any stream is raised."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+def _numbered(c: CompletionOutput, offset: int) -> CompletionOutput:
+    """`c` as choice `offset + c.index` of a request with several prompts."""
+    return dataclasses.replace(c, index=c.index + offset) if offset else c
+
+
+def _usage(outs: Iterable[RequestOutput]) -> dict[str, int]:
+    prompt = completion = 0
+    for out in outs:
+        prompt += len(out.prompt_token_ids)
+        completion += sum(len(c.token_ids) for c in out.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

@@ -169,13 +169,16 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of: is not supported (must equal n)")
         return self._sampling_params(self.max_tokens, self.logprobs)
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request: a string or a list of token ids."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, each a string or a list of token ids: OpenAI's `prompt` is
+        one of these or a list of them."""
         p = self.prompt
         if isinstance(p, str):
-            return p
-        if p and all(isinstance(x, int) for x in p):
-            return list(p)  # type: ignore[arg-type]
-        if len(p) == 1:
-            return p[0]  # type: ignore[return-value]
-        raise ValueError("prompt: send one prompt per request (a string or a list of token ids)")
+            return [p]
+        if not p:
+            raise ValueError("prompt: must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        if any(not x for x in p):
+            raise ValueError("prompt: must not hold an empty prompt")
+        return list(p)  # type: ignore[arg-type]

@@ -63,6 +63,46 @@ def test_completion_accepts_token_ids(client: openai.OpenAI) -> None:
     assert ids.choices[0].text == text.choices[0].text
 
 
+def test_several_prompts_are_one_choice_each_in_order(client: openai.OpenAI) -> None:
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
+    alone = [client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=5) for p in prompts]
+    reply = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=5)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.text for c in reply.choices] == [a.choices[0].text for a in alone]
+    assert reply.usage is not None and alone[0].usage is not None
+    assert reply.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone if a.usage)
+    assert reply.usage.completion_tokens == 15
+    ids = client.completions.create(model=MODEL, prompt=[[504, 3575, 282, 4649, 314], [1, 2, 3]], temperature=0,
+                                    max_tokens=5)
+    assert ids.choices[0].text == alone[0].choices[0].text and len(ids.choices) == 2
+
+
+def test_several_prompts_with_n_number_the_samples_prompt_by_prompt(client: openai.OpenAI) -> None:
+    prompts = ["Once upon a time", "The best fruit is"]
+    kwargs: dict[str, Any] = {"model": MODEL, "n": 2, "seed": 5, "max_tokens": 6}
+    alone = [client.completions.create(prompt=p, **kwargs) for p in prompts]
+    expected = {i * 2 + c.index: c.text for i, a in enumerate(alone) for c in a.choices}
+    reply = client.completions.create(prompt=prompts, **kwargs)
+    assert {c.index: c.text for c in reply.choices} == expected
+    streamed = dict.fromkeys(expected, "")
+    usage = None
+    for chunk in client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True},
+                                           **kwargs):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+        usage = chunk.usage or usage
+    assert streamed == expected
+    assert usage is not None and usage.completion_tokens == 4 * 6
+
+
+@pytest.mark.parametrize(("prompt", "message"), [([], "must not be empty"), (["hi", ""], "empty prompt"),
+                                                 (["hi", "hello " * 1100], "maximum context length")])
+def test_a_bad_prompt_among_several_refuses_the_request(client: openai.OpenAI, prompt: list[str],
+                                                         message: str) -> None:
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+
+
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
 

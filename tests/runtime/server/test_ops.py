@@ -151,6 +151,22 @@ def test_full_queue_answers_429(server: RunningServer, client: openai.OpenAI) ->
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices
 
 
+def test_several_prompts_beyond_the_queue_are_refused_whole(server: RunningServer, client: openai.OpenAI) -> None:
+    # two run; of three prompts two would fit the queue: the request is refused and none of them stays
+    with ExitStack() as stack, httpx.Client(base_url=server.base_url, timeout=60) as http:
+        running = [_open_stream(stack, http, LONG) for _ in range(2)]
+        for lines in running:
+            next(line for line in lines if line.startswith("data:"))
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model=MODEL, prompt=["one", "two", "three"], max_tokens=1)
+        assert info.value.code == "queue_full"
+        # the two admitted first were aborted with it, while the streams still run
+        server.wait_until(lambda: server.health()["waiting_seqs"] == 0, timeout=5, what="the admitted prompts aborted")
+        assert server.health()["running_seqs"] == 2
+    server.wait_until(lambda: _idle(server), timeout=5, what="idle after the streams closed")
+    assert len(client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=1).choices) == 2
+
+
 def _admin(server: RunningServer, method: str, body: Any = None, token: str | None = ADMIN) -> httpx.Response:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return httpx.request(method, f"{server.base_url}/admin/config", json=body, headers=headers, timeout=60)
