@@ -216,6 +216,8 @@ class Pilot:
             await self.scaler.keep_deletion_costs(pods, now)
             if self.settings.scaling.mode == "builtin":
                 await self.scaler.step(now, pods)
+            else:
+                await self.scaler.check_target(now, pods)
         if self.settings.tuning.enabled:
             await self.tuner.step(now, pods, report)
         self._publish()

@@ -3,7 +3,9 @@ the replicas, written through the InferenceService's scale subresource (`spec.re
 the reconcile copies to the Deployment) — never the Deployment itself, so no two writers race.
 
 A scale-down waits while a tuning change is judged and for a dwell after it (`Coordination`);
-a scale-up never waits.
+a scale-up never waits. A target the pods do not reach while requests queue (`out_of_reach`) is
+said in the ScalingActive condition for as long as it lasts, and once in a Warning Event
+`ScalingTargetUnreachable` each time it begins.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from . import metrics
 from .autoscale.behavior import ScalerState
 from .autoscale.deletion_cost import cost_patch, deletion_costs
 from .autoscale.history import scale_record
-from .autoscale.policy import decide_replicas
+from .autoscale.policy import decide_replicas, out_of_reach
 from .kube import ApiError
 from .status import condition
 from .tuner import _iso
@@ -38,6 +40,7 @@ class Scaler:
         self.value: float | None = status.get("value")
         self.last_scale: str | None = status.get("lastScaleTime")
         self.condition: Manifest | None = None
+        self.unreachable: str | None = None  # why the target is out of the pods' reach, while it is
 
     def status(self) -> Manifest:
         out: Manifest = {}
@@ -57,6 +60,16 @@ class Scaler:
             except ApiError as exc:  # the pod went away meanwhile, most likely: the next pass tells
                 logger.info(f"deletion cost of pod {pod} not written: {exc}")
 
+    async def check_target(self, now: float, pods: Pods) -> str | None:
+        """Why the target is out of the pods' reach, if it is (every mode: an HPA on the same
+        target would not scale either); the Warning Event as it begins."""
+        spec = self.pilot.settings.scaling
+        unreachable = out_of_reach(self.pilot.scraper.summaries(since=now - spec.window), pods.states, spec)
+        if unreachable is not None and self.unreachable is None:
+            await self.pilot.post_event("Warning", "ScalingTargetUnreachable", unreachable)
+        self.unreachable = unreachable
+        return unreachable
+
     async def step(self, now: float, pods: Pods) -> None:
         pilot, spec = self.pilot, self.pilot.settings.scaling
         key = pilot.key
@@ -64,6 +77,7 @@ class Scaler:
         summaries = pilot.scraper.summaries(since=now - spec.window)
         decision = decide_replicas(summaries, pods.states, current, spec, self.state, now=now)
         self.value = decision.value if decision.value is not None else self.value
+        unreachable = await self.check_target(now, pods)
         metrics.DESIRED_REPLICAS.labels(key.namespace, key.name).set(decision.desired)
         active = decision.code not in _INACTIVE
         direction = decision.direction
@@ -77,7 +91,11 @@ class Scaler:
         self.desired = decision.desired
         if direction is None:
             self.state = decision.state
-            self.condition = condition("ScalingActive", active, decision.code, decision.reason)
+            if unreachable is not None:
+                self.condition = condition("ScalingActive", active, "TargetUnreachable",
+                                           f"{unreachable}; {decision.reason}")
+            else:
+                self.condition = condition("ScalingActive", active, decision.code, decision.reason)
             return
         await asyncio.to_thread(pilot.kube.patch, "InferenceService", key.namespace, key.name,
                                 {"spec": {"replicas": decision.desired}}, "scale")

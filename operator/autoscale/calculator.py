@@ -37,7 +37,7 @@ from .scaling_spec import Metric
 
 PodState = Literal["ready", "starting", "leaving"]
 
-_PER_POD = {
+PER_POD = {
     "kvCacheUsage": lambda s: s.kv_cache_usage,
     "waitingPerReplica": lambda s: s.num_waiting_seqs,
     "preemptionRate": lambda s: s.preemptions_per_s,
@@ -58,7 +58,7 @@ def estimate(metric: Metric, summaries: Mapping[str, WindowSummary], pods: Mappi
     ready = {p: s for p, s in summaries.items() if pods.get(p) == "ready"}
     if metric == "ttftP99":
         return _service_estimate(ready, pods, current, target, tolerance)
-    values = {p: _PER_POD[metric](s) for p, s in ready.items()}
+    values = {p: PER_POD[metric](s) for p, s in ready.items()}
     return _per_pod_estimate(values, pods, current, target, tolerance)
 
 

@@ -19,17 +19,23 @@ How the operator calls it, every `spec.interval` seconds, for an InferenceServic
 `pods` maps every pod of the service to ready | starting | leaving (`calculator.py`);
 `replicas` is `spec.replicas` as the scale subresource reports it. The scraper must scrape at
 least every `interval` and keep `window + interval` seconds of samples.
+
+`out_of_reach` is what the HPA does not tell: a target on KV-cache usage or preemptions that the
+pods do not reach even while requests queue at them. Such a service never scales up however long
+its queue: what the serving-engine rule of a 0.85 KV-cache usage gives on a GPU whose cache
+is large for its load.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from statistics import fmean
 from typing import Literal
 
 from ..autotune.window import WindowSummary
 from .behavior import ScalerState, normalize
-from .calculator import Estimate, PodState, estimate
+from .calculator import PER_POD, Estimate, PodState, estimate
 from .scaling_spec import Metric, ScalingSpec
 
 
@@ -77,6 +83,30 @@ def decide_replicas(summaries: Mapping[str, WindowSummary], pods: Mapping[str, P
         return decision(current, "NoMetrics", f"{spec.metric}: {est}: {current} replicas stay", state)
     n = normalize(est.replicas, current, spec.min_replicas, spec.max_replicas, spec.behavior, state, now)
     return decision(n.replicas, n.code, _reason(spec, est, current, n.replicas, n.note), n.state, est.value)
+
+
+# mean requests waiting per ready pod over the window from which a service counts as queueing
+QUEUEING_PER_POD = 1.0
+
+
+def out_of_reach(summaries: Mapping[str, WindowSummary], pods: Mapping[str, PodState],
+                 spec: ScalingSpec) -> str | None:
+    """Why `spec.target` looks beyond what the pods reach, or None: the per-pod mean stays below
+    the target by more than the tolerance while requests queue at the pods (a mean of at least
+    `QUEUEING_PER_POD` waiting), on a metric that does not itself grow with the queue."""
+    if spec.metric not in ("kvCacheUsage", "preemptionRate"):
+        return None
+    ready = [s for p, s in summaries.items() if pods.get(p) == "ready"]
+    if not ready:
+        return None
+    waiting = fmean(s.num_waiting_seqs for s in ready)
+    value = fmean(PER_POD[spec.metric](s) for s in ready)
+    if waiting < QUEUEING_PER_POD or value >= spec.target * (1 - spec.tolerance):
+        return None
+    return (f"{spec.metric} target {_format(spec.metric, spec.target)} is out of the pods' reach: "
+            f"{_format(spec.metric, value)} while {waiting:.1f} requests wait per pod, so the queue grows "
+            f"and nothing scales up; set the target to the value the pods show at the load each should "
+            f"carry (kvpilot bench serve measures it)")
 
 
 def _reason(spec: ScalingSpec, est: Estimate, current: int, desired: int, note: str) -> str:

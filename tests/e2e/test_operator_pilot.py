@@ -377,6 +377,46 @@ async def test_builtin_autoscaling_writes_replicas_through_the_scale_subresource
             assert pod["metadata"]["annotations"]["controller.kubernetes.io/pod-deletion-cost"] == "800"
 
 
+async def test_a_kv_cache_target_the_queueing_pods_never_reach_is_said_not_silently_held(
+        cluster: Any, pods: Any) -> None:
+    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 2,
+            "autoscaling": {"enabled": True, "mode": "builtin", "metric": "kvCacheUsage", "target": 0.85,
+                            "maxReplicas": 8, "interval": "1s", "window": "2s"}}
+    async with operator():
+        await cluster.create_isvc("smol", spec)
+        engines = await pods(["smol-a", "smol-b"])
+        for engine in engines.values():  # a large cache: saturated, requests queue at 7% usage
+            engine.kv, engine.waiting = 0.07, 20
+        await eventually(lambda: cluster.condition("smol", "ScalingActive") == ("True", "TargetUnreachable"),
+                         timeout=20, what="ScalingActive TargetUnreachable")
+        active = next(c for c in _status(cluster)["conditions"] if c["type"] == "ScalingActive")
+        assert active["message"].startswith("kvCacheUsage target 0.85 is out of the pods' reach: 0.07 while "
+                                            "20.0 requests wait per pod")
+        await eventually(lambda: "ScalingTargetUnreachable" in _reasons(cluster), what="the Warning Event")
+        assert cluster.get("inferenceservices", "smol")["spec"]["replicas"] == 2  # the HPA's rule scales nothing
+        for engine in engines.values():
+            engine.waiting = 0
+        # the HPA's reasons again once nothing queues (0.07 of 0.85 asks for 1: held by the scale-down window)
+        await eventually(lambda: cluster.condition("smol", "ScalingActive") == ("True", "ScaleDownStabilized"),
+                         timeout=20, what="the condition back once nothing queues")
+        assert _reasons(cluster).count("ScalingTargetUnreachable") == 1  # once as it began, not every pass
+
+
+async def test_an_hpa_on_a_target_the_pods_never_reach_gets_the_warning_too(cluster: Any, pods: Any) -> None:
+    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 2,
+            "autoscaling": {"enabled": True, "mode": "hpa", "metric": "kvCacheUsage", "target": 0.85, "maxReplicas": 8}}
+    async with operator():
+        await cluster.create_isvc("smol", spec)
+        engines = await pods(["smol-a", "smol-b"])
+        for engine in engines.values():
+            engine.kv, engine.waiting = 0.07, 20
+        # the pilot passes every 15 s in mode hpa (deletion costs); a window needs two scrapes
+        await eventually(lambda: "ScalingTargetUnreachable" in _reasons(cluster), timeout=60,
+                         what="the Warning Event in mode hpa")
+        # the condition stays the reconcile's, about the HPA (this cluster serves no custom metrics API)
+        assert cluster.condition("smol", "ScalingActive") == ("False", "CustomMetricsUnavailable")
+
+
 async def test_keda_without_its_crds_and_monitoring_without_prometheus_operator_are_conditions(
         cluster: Any) -> None:
     spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1},

@@ -20,6 +20,7 @@ from kvpilot.operator.autoscale import (
     ScalingSpec,
     decide_replicas,
 )
+from kvpilot.operator.autoscale.policy import out_of_reach
 from kvpilot.operator.autotune import WindowSummary
 
 WAITING = ScalingSpec(enabled=True, metric="waitingPerReplica", target=4, max_replicas=20)
@@ -241,3 +242,39 @@ def test_bad_specs_name_the_field(fields: dict[str, object], message: str) -> No
 def test_bad_behavior_names_the_field(make: object, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         make()  # type: ignore[operator]
+
+
+KV = ScalingSpec(enabled=True, metric="kvCacheUsage", target=0.85, max_replicas=10)
+
+
+def pods_with(kv: float, queue: float, n: int = 2) -> dict[str, WindowSummary]:
+    return {f"pod-{i}": dataclasses.replace(BASE, pod=f"pod-{i}", kv_cache_usage=kv, num_waiting_seqs=queue)
+            for i in range(n)}
+
+
+def test_a_kv_target_the_pods_stay_below_while_requests_queue_is_out_of_reach() -> None:
+    windows = pods_with(0.07, 12.0)
+    ready: dict[str, PodState] = dict.fromkeys(windows, "ready")
+    why = out_of_reach(windows, ready, KV)
+    assert why is not None and why.startswith(
+        "kvCacheUsage target 0.85 is out of the pods' reach: 0.07 while 12.0 requests wait per pod")
+    assert run(*windows.values(), spec=KV).desired == 2  # the HPA's rule alone scales nothing
+
+
+@pytest.mark.parametrize(("kv", "queue", "spec", "states"), [
+    (0.07, 0.5, KV, "ready"),  # no queue: a light load, not an unreachable target
+    (0.80, 12.0, KV, "ready"),  # within the tolerance of 0.85: the queue will scale it
+    (0.07, 12.0, WAITING, "ready"),  # the queue is the signal: it grows with the queue
+    (0.07, 12.0, dataclasses.replace(KV, metric="ttftP99", target=1.0), "ready"),
+    (0.07, 12.0, KV, "starting"),  # no ready pod: nothing to judge
+])
+def test_a_target_is_not_called_out_of_reach_when(kv: float, queue: float, spec: ScalingSpec, states: PodState) -> None:
+    windows = pods_with(kv, queue)
+    assert out_of_reach(windows, dict.fromkeys(windows, states), spec) is None
+
+
+def test_preemptions_the_queueing_pods_never_reach_are_out_of_reach_too() -> None:
+    spec = ScalingSpec(enabled=True, metric="preemptionRate", target=1.0, max_replicas=10)
+    windows = {p: dataclasses.replace(s, preemptions_per_s=0.0) for p, s in pods_with(0.3, 5.0).items()}
+    assert "preemptionRate target 1.00/s is out of the pods' reach: 0.00/s" in (
+        out_of_reach(windows, dict.fromkeys(windows, "ready"), spec) or "")
