@@ -173,14 +173,16 @@ class OpenAIServing:
             assert final is not None
             return final
 
-        result = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+        finals = [asyncio.ensure_future(last(s)) for s in streams]
+        result = asyncio.gather(*finals)
         disconnect = asyncio.ensure_future(_wait_for_disconnect(raw))
+        either: set[asyncio.Future[Any]] = {result, disconnect}
         try:
-            done, _ = await asyncio.wait({result, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         finally:
             disconnect.cancel()
-            if not result.done():
-                result.cancel()
+            for final in finals:  # the others, once one failed or the client left
+                final.cancel()
             for s in streams:  # a no-op for a finished one
                 if not s.finished:
                     self.engine.abort(s.request_id)
