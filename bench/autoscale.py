@@ -47,6 +47,7 @@ from kvpilot.bench.flags import positive
 from kvpilot.bench.fleet import Foresight, Pipeline, Policy, SimConfig, simulate
 from kvpilot.bench.self_check import self_check
 from kvpilot.operator.autoscale import ScalingSpec
+from kvpilot.operator.autoscale.scaling_spec import DEFAULT_TOLERANCE
 
 ARTICLE_KV_TARGET = 0.85
 _SIGNALS = {"kvCacheUsage": "kv_cache_usage", "waitingPerReplica": "num_requests_waiting",
@@ -78,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hpa-target", type=positive, default=None, metavar="WAITING",
                    help="hpa-queue's target, requests waiting per pod (default: as the builtin's, from the curve)")
     g.add_argument("--max-replicas", type=int, default=None, help="the policies' maxReplicas (default: 2x static)")
+    g.add_argument("--tolerance", type=_tolerance, default=DEFAULT_TOLERANCE, metavar="SHARE",
+                   help="the policies' tolerance: a ratio to the target within it changes nothing (default: the "
+                        "HPA's 0.1)")
     g = parser.add_argument_group("cluster")
     g.add_argument("--startup-delay", type=float, default=120.0, metavar="SECONDS",
                    help="a new replica's time to Ready (image, model load)")
@@ -138,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                           "target_rate_per_replica": plan.target_rates},
                 "trace": {"description": trace.description, "duration_s": trace.duration_s, "peak": trace.peak},
                 "config": asdict(config), "prometheus_interval_s": args.prometheus_interval,
-                "scrape_interval_s": args.scrape_interval, "slo_goal": args.slo_goal / 100,
+                "scrape_interval_s": args.scrape_interval, "tolerance": args.tolerance, "slo_goal": args.slo_goal / 100,
                 "families": plan.families, "best": best}
         write_outputs(Path(args.output), body, check, results, plan.targets, plan.skipped)
     return 0 if check.passed else 1
@@ -187,14 +191,14 @@ def _plan(args: argparse.Namespace, curve: CapacityCurve, trace: Trace, slo_rate
             if args.hpa_target is not None or "waitingPerReplica" in targets:
                 target = args.hpa_target or targets["waitingPerReplica"]
                 spec = ScalingSpec(enabled=True, mode="hpa", metric="waitingPerReplica", target=target,
-                                   max_replicas=max_replicas)
+                                   max_replicas=max_replicas, tolerance=args.tolerance)
                 plan.add("hpa-queue", Policy(name, spec, Pipeline(args.prometheus_interval, "latest"),
                                                        initial), f"waiting {target:.3g} per pod")
             else:
                 plan.skipped[name] = plan.skipped.get(f"builtin-waitingPerReplica{suffix}",
                                                       plan.skipped.get("builtin-waitingPerReplica", ""))
         for metric, target in targets.items():
-            _builtin(plan, f"builtin-{metric}", suffix, metric, target, max_replicas, builtin, initial)
+            _builtin(plan, f"builtin-{metric}", suffix, metric, target, max_replicas, builtin, initial, args.tolerance)
         # The spec gives the yardsticks the policies' behavior, bounds and interval; its metric is unused.
         spec = ScalingSpec(enabled=True, max_replicas=max_replicas)
         for family, seconds in (("reactive-bound", 0.0), ("clairvoyant", args.startup_delay + spec.interval)):
@@ -204,13 +208,14 @@ def _plan(args: argparse.Namespace, curve: CapacityCurve, trace: Trace, slo_rate
     if "kv_cache_usage" in curve.gauges:
         initial = min(max_replicas, max(1, math.ceil(float(trace.rates[0]) / (headrooms[0] * slo_rate))))
         _builtin(plan, f"builtin-kvCacheUsage@{ARTICLE_KV_TARGET:g}", "", "kvCacheUsage", ARTICLE_KV_TARGET,
-                 max_replicas, builtin, initial)
+                 max_replicas, builtin, initial, args.tolerance)
     return plan
 
 
 def _builtin(plan: _Plan, family: str, suffix: str, metric: str, target: float, max_replicas: int,
-             pipeline: Pipeline, initial: int) -> None:
-    spec = ScalingSpec(enabled=True, metric=metric, target=target, max_replicas=max_replicas)  # type: ignore[arg-type]
+             pipeline: Pipeline, initial: int, tolerance: float) -> None:
+    spec = ScalingSpec(enabled=True, metric=metric, target=target, max_replicas=max_replicas,  # type: ignore[arg-type]
+                       tolerance=tolerance)
     plan.add(family, Policy(family + suffix, spec, pipeline, initial), f"{metric} {target:.3g}")
 
 
@@ -226,6 +231,16 @@ def _percent(text: str) -> float:
     value = positive(text)
     if value > 100:
         raise argparse.ArgumentTypeError(f"must lie in (0, 100], not {text!r}")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1), not {text!r}")
     return value
 
 

@@ -85,6 +85,23 @@ def test_several_headrooms_simulate_each_policy_at_each_and_show_each_at_its_bes
     assert "each policy at its best" in printed
 
 
+def test_the_tolerance_reaches_every_policy_that_has_one(tmp_path: Path) -> None:
+    events = {}
+    for tolerance in ("0", "0.9"):
+        out = tmp_path / f"tolerance-{tolerance}.json"
+        args = parse("--capacity-curve", str(EXAMPLE), "--duration", "3600", "--peak-rate", "40",
+                     "--self-check-requests", "2000", "--tolerance", tolerance, "--output", str(out), "--disable-tqdm")
+        assert autoscale.run(args) == 0
+        body = json.loads(out.read_text())
+        assert body["tolerance"] == float(tolerance)
+        events[tolerance] = {p["policy"]: p["num_scale_events"] for p in body["policies"]}
+    # a ratio within 90% of the target moves nothing: far fewer scalings than at 0
+    for name in ("hpa-queue", "builtin-kvCacheUsage", "builtin-waitingPerReplica"):
+        assert events["0.9"][name] < events["0"][name], name
+    # the yardsticks have no tolerance
+    assert events["0.9"]["reactive-bound"] == events["0"]["reactive-bound"]
+
+
 def test_a_written_trace_replays_the_built_in_day_exactly(tmp_path: Path) -> None:
     common = ("--capacity-curve", str(EXAMPLE), "--self-check-requests", "2000", "--disable-tqdm")
     trace = tmp_path / "day.csv"
@@ -137,3 +154,6 @@ def test_bad_flags_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit):
         parse("--capacity-curve", str(EXAMPLE), "--slo-goal", "101")
     assert "must lie in (0, 100]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("--capacity-curve", str(EXAMPLE), "--tolerance", "1")
+    assert "must lie in [0, 1)" in capsys.readouterr().err
