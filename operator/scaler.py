@@ -4,8 +4,8 @@ the reconcile copies to the Deployment) — never the Deployment itself, so no t
 
 A scale-down waits while a tuning change is judged and for a dwell after it (`Coordination`);
 a scale-up never waits. A target the pods do not reach while requests queue (`out_of_reach`) is
-said in the ScalingActive condition for as long as it lasts, and once in a Warning Event
-`ScalingTargetUnreachable` each time it begins.
+said in the ScalingActive condition for as long as it lasts (the decision's `TargetUnreachable`),
+and once in a Warning Event `ScalingTargetUnreachable` each time it begins, in every mode.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Scaler:
         summaries = pilot.scraper.summaries(since=now - spec.window)
         decision = decide_replicas(summaries, pods.states, current, spec, self.state, now=now)
         self.value = decision.value if decision.value is not None else self.value
-        unreachable = await self.check_target(now, pods)
+        await self.check_target(now, pods)  # the Event; the decision says it too (TargetUnreachable)
         metrics.DESIRED_REPLICAS.labels(key.namespace, key.name).set(decision.desired)
         active = decision.code not in _INACTIVE
         direction = decision.direction
@@ -91,11 +91,7 @@ class Scaler:
         self.desired = decision.desired
         if direction is None:
             self.state = decision.state
-            if unreachable is not None:
-                self.condition = condition("ScalingActive", active, "TargetUnreachable",
-                                           f"{unreachable}; {decision.reason}")
-            else:
-                self.condition = condition("ScalingActive", active, decision.code, decision.reason)
+            self.condition = condition("ScalingActive", active, decision.code, decision.reason)
             return
         await asyncio.to_thread(pilot.kube.patch, "InferenceService", key.namespace, key.name,
                                 {"spec": {"replicas": decision.desired}}, "scale")

@@ -23,7 +23,8 @@ least every `interval` and keep `window + interval` seconds of samples.
 `out_of_reach` is what the HPA does not tell: a target on KV-cache usage or preemptions that the
 pods do not reach even while requests queue at them. Such a service never scales up however long
 its queue: what the serving-engine rule of a 0.85 KV-cache usage gives on a GPU whose cache
-is large for its load.
+is large for its load. The decision says so (code `TargetUnreachable`), and, unlike the HPA,
+does not scale such a service down while its requests queue.
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ def decide_replicas(summaries: Mapping[str, WindowSummary], pods: Mapping[str, P
     if isinstance(est, str):
         return decision(current, "NoMetrics", f"{spec.metric}: {est}: {current} replicas stay", state)
     n = normalize(est.replicas, current, spec.min_replicas, spec.max_replicas, spec.behavior, state, now)
+    unreachable = out_of_reach(summaries, pods, spec)
+    if unreachable is not None and n.replicas <= current:
+        # kvpilot's one departure from the HPA: a service whose requests queue is not scaled down
+        held = "" if n.replicas == current else " (no scale-down while requests queue)"
+        return decision(current, "TargetUnreachable",
+                        f"{unreachable}; {_reason(spec, est, current, current, n.note)}{held}", n.state, est.value)
     return decision(n.replicas, n.code, _reason(spec, est, current, n.replicas, n.note), n.state, est.value)
 
 

@@ -278,3 +278,13 @@ def test_preemptions_the_queueing_pods_never_reach_are_out_of_reach_too() -> Non
     windows = {p: dataclasses.replace(s, preemptions_per_s=0.0) for p, s in pods_with(0.3, 5.0).items()}
     assert "preemptionRate target 1.00/s is out of the pods' reach: 0.00/s" in (
         out_of_reach(windows, dict.fromkeys(windows, "ready"), spec) or "")
+
+
+def test_a_queueing_service_below_an_unreachable_target_is_not_scaled_down() -> None:
+    spec = dataclasses.replace(KV, behavior=NO_STABILISATION)
+    d = run(*pods_with(0.07, 12.0, n=4).values(), spec=spec)
+    assert (d.desired, d.direction, d.code) == (4, None, "TargetUnreachable")
+    assert d.reason.endswith("asks for 1: 4 replicas stay (no scale-down while requests queue)")
+    # the same windows without a queue: a light load, scaled down as the HPA would
+    calm = run(*pods_with(0.07, 0.2, n=4).values(), spec=spec)
+    assert (calm.desired, calm.code) == (1, "DesiredWithinRange")
