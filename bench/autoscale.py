@@ -13,8 +13,8 @@ Compared, on the same arrivals (one seed):
 Beside them two yardsticks that no cluster can run, scaled on the trace's own rate with the same
 behavior (`fleet.Foresight`):
 * `reactive-bound` — knows the present arrival rate exactly, with no scrape, lag or noise: what
-  the best signal a reactive policy could have would buy. A policy's gap to it is its signal's
-  cost; the bound's own losses are the start-up delay's, which no reactive policy avoids;
+  the best signal a reactive policy could have would buy. A policy's gap to it at the same cost
+  is its signal's; the bound's own losses are the start-up delay's;
 * `clairvoyant` — knows the rate a start-up delay plus one interval ahead: what prediction could
   buy at most.
 Targets, unless a policy fixes its own, are each signal's value on the curve at `--headroom` times
