@@ -19,7 +19,8 @@ def rows(results: Sequence[FleetResult], targets: Mapping[str, str]) -> list[dic
         "policy": r.policy, "target": targets.get(r.policy, ""), "slo_attainment": r.slo_attainment,
         "replica_hours": r.replica_hours,
         "replica_hours_vs_static": r.replica_hours / static.replica_hours if static and static.replica_hours else None,
-        "num_requests": r.num_requests, "num_failed": r.num_failed, "num_scale_events": r.num_scale_events,
+        "num_requests": r.num_requests, "num_outside_slo": r.num_requests - r.num_met, "num_failed": r.num_failed,
+        "num_scale_events": r.num_scale_events,
         "max_replicas": r.max_replicas,
     } for r in results]
 
@@ -27,12 +28,12 @@ def rows(results: Sequence[FleetResult], targets: Mapping[str, str]) -> list[dic
 def print_table(results: Sequence[FleetResult], targets: Mapping[str, str], skipped: Mapping[str, str]) -> None:
     table = rows(results, targets)
     width = max(len(r["policy"]) for r in table)
-    print(f"{'policy':<{width}}  {'SLO met':>8}  {'replica-h':>9}  {'vs static':>9}  {'scalings':>8}  "
-          f"{'max':>4}  target")
+    print(f"{'policy':<{width}}  {'SLO met':>8}  {'outside':>9}  {'replica-h':>9}  {'vs static':>9}  "
+          f"{'scalings':>8}  {'max':>4}  target")
     for r in table:
         ratio = "" if r["replica_hours_vs_static"] is None else f"{r['replica_hours_vs_static']:.1%}"
-        print(f"{r['policy']:<{width}}  {r['slo_attainment']:>8.2%}  {r['replica_hours']:>9.1f}  {ratio:>9}  "
-              f"{r['num_scale_events']:>8}  {r['max_replicas']:>4}  {r['target']}")
+        print(f"{r['policy']:<{width}}  {r['slo_attainment']:>8.2%}  {r['num_outside_slo']:>9}  {r['replica_hours']:>9.1f}  "
+              f"{ratio:>9}  {r['num_scale_events']:>8}  {r['max_replicas']:>4}  {r['target']}")
     for name, why in skipped.items():
         print(f"{name}: not simulated: {why}")
 
@@ -66,7 +67,8 @@ def print_best(results: Sequence[FleetResult], best: Mapping[str, str], goal: fl
         r = by_name[name]
         ratio = f"{r.replica_hours / static.replica_hours:.1%}" if static and static.replica_hours else ""
         mark = "" if r.slo_attainment >= goal else f"  (none reached {goal:.0%})"
-        print(f"{family:<{width}}  {r.slo_attainment:>8.2%}  {r.replica_hours:>9.1f}  {ratio:>9}  {name}{mark}")
+        print(f"{family:<{width}}  {r.slo_attainment:>8.2%}  {r.num_requests - r.num_met:>9}  {r.replica_hours:>9.1f}  "
+              f"{ratio:>9}  {name}{mark}")
 
 
 def write_outputs(path: Path, body: dict[str, Any], check: SelfCheck, results: Sequence[FleetResult],

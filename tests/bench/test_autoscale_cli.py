@@ -35,6 +35,7 @@ def test_a_short_day_writes_json_and_a_png(tmp_path: Path, capsys: pytest.Captur
     assert static["max_replicas"] >= body["trace"]["peak"] / body["curve"]["slo_rate_per_replica"]
     assert all(0 <= p["slo_attainment"] <= 1 and p["replica_hours"] > 0 for p in body["policies"])
     assert len({p["num_requests"] for p in body["policies"]}) == 1  # the same arrivals for every policy
+    assert all(p["num_outside_slo"] == round(p["num_requests"] * (1 - p["slo_attainment"])) for p in body["policies"])
     assert body["self_check"]["passed"] and body["self_check"]["max_error"] <= 0.10
     # the yardsticks: knowing the load ahead never does worse than knowing it now
     by_name = {p["policy"]: p for p in body["policies"]}
