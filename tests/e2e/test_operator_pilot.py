@@ -353,12 +353,16 @@ async def test_a_pod_that_refuses_the_admin_call_leaves_the_service_on_its_confi
         await eventually(lambda: "AdminCallFailed" in _reasons(cluster), what="the AdminCallFailed Event")
 
 
-async def test_builtin_autoscaling_writes_replicas_through_the_scale_subresource(cluster: Any, pods: Any) -> None:
-    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 2,
-            "autoscaling": {"enabled": True, "mode": "builtin", "metric": "kvCacheUsage", "target": 0.5,
+def _builtin_on_kv_cache(target: float) -> dict[str, Any]:
+    """Two replicas that builtin scales on kvCacheUsage, deciding every second on 2 s windows."""
+    return {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 2,
+            "autoscaling": {"enabled": True, "mode": "builtin", "metric": "kvCacheUsage", "target": target,
                             "maxReplicas": 8, "interval": "1s", "window": "2s"}}
+
+
+async def test_builtin_autoscaling_writes_replicas_through_the_scale_subresource(cluster: Any, pods: Any) -> None:
     async with operator():
-        await cluster.create_isvc("smol", spec)
+        await cluster.create_isvc("smol", _builtin_on_kv_cache(0.5))
         engines = await pods(["smol-a", "smol-b"])
         engines["smol-a"].kv, engines["smol-b"].kv = 0.9, 0.9  # 1.8 times the target on 2 replicas
         await eventually(lambda: cluster.get("inferenceservices", "smol")["spec"]["replicas"] == 4, timeout=20,
@@ -379,11 +383,8 @@ async def test_builtin_autoscaling_writes_replicas_through_the_scale_subresource
 
 async def test_a_kv_cache_target_the_queueing_pods_never_reach_is_said_not_silently_held(
         cluster: Any, pods: Any) -> None:
-    spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 2,
-            "autoscaling": {"enabled": True, "mode": "builtin", "metric": "kvCacheUsage", "target": 0.85,
-                            "maxReplicas": 8, "interval": "1s", "window": "2s"}}
     async with operator():
-        await cluster.create_isvc("smol", spec)
+        await cluster.create_isvc("smol", _builtin_on_kv_cache(0.85))
         engines = await pods(["smol-a", "smol-b"])
         for engine in engines.values():  # a large cache: saturated, requests queue at 7% usage
             engine.kv, engine.waiting = 0.07, 20
