@@ -25,7 +25,8 @@ length is; running a Poisson count; KV usage in proportion to running) plus its 
 counters.
 Every `spec.interval` the policy reads the scrapes at least `metrics_lag_s` old through the
 operator's own `decide_replicas`, on `WindowSummary`s built from them (a reference fleet with
-`Foresight` reads the trace's rate instead), and the fleet follows at once: a new replica is Ready `startup_s` later; a removed one leaves the load balancer at once
+`Foresight` reads the trace's rate instead), and the fleet follows at once: a new replica is
+Ready `startup_s` later; a removed one leaves the load balancer at once
 and drains, costing until its last request finishes (`drain_s`). Only the drain moves a finish:
 a request's E2E in the results (and the E2E SLO) is its draw at its arrival's load. The replica
 removed is a starting one first (the ReplicaSet's order), then the one of lowest
