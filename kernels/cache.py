@@ -46,6 +46,22 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter the new tokens' keys and values into their cache slots, in place."""
+    check(k, v, k_cache, v_cache, slot_mapping)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    _write_kv_cache_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, H_PAD=next_power_of_2(num_kv_heads),
+        D_PAD=next_power_of_2(head_dim), BLOCK_SIZE=block_size, num_warps=4,
+    )
+
+
+def check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+          slot_mapping: torch.Tensor) -> None:
+    """The layouts the module docstring gives, as ValueErrors naming the argument."""
     check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
     device = k_cache.device
     check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES, device)
@@ -60,11 +76,3 @@ def write_kv_cache(
         check_same_dtype(name, t, "k_cache", k_cache)
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int64, torch.int32), device)
     check_shape("slot_mapping", slot_mapping, (num_tokens,))
-    if num_tokens == 0:
-        return
-    _write_kv_cache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, H_PAD=next_power_of_2(num_kv_heads),
-        D_PAD=next_power_of_2(head_dim), BLOCK_SIZE=block_size, num_warps=4,
-    )

@@ -40,6 +40,17 @@ class Ops(ABC):
     def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, plan: StepPlan) -> None:
         """Rotate q (T, H, D) and k (T, Hk, D) in place by their tokens' positions."""
 
+    def rotary_and_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, plan: StepPlan) -> None:
+        """`rotary_embedding`, then `write_kv_cache` of the rotated k and v: what each layer does
+        before attention (an implementation may fuse the two)."""
+        self.rotary_embedding(q, k, plan)
+        self.write_kv_cache(k, v, k_cache, v_cache, plan)
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, 2I), the gate and up projections side by side -> silu(gate) * up, (T, I)."""
+
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x (T, hidden) -> normalised copy, computed in float32."""

@@ -148,6 +148,12 @@ def rotary_embedding(
         t.copy_(x * cos + rotated * sin)
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (T, 2I) -> silu(x[:, :I]) * x[:, I:], as HF's LlamaMLP computes it (two roundings)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class ReferenceOps(Ops):
     """The reference as the engine calls it: the plan's index work is shared by every layer."""
 
@@ -165,5 +171,6 @@ class ReferenceOps(Ops):
     def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, plan: StepPlan) -> None:
         rotary_embedding(plan.positions, q, k, plan.cos_sin_cache, plan.rotary)
 
+    silu_and_mul = staticmethod(silu_and_mul)
     rms_norm = staticmethod(rms_norm)
     fused_add_rms_norm = staticmethod(fused_add_rms_norm)

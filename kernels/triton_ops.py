@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.kernels import cache, norm, rotary
+from kvpilot.kernels import activation, cache, norm, rotary
 from kvpilot.kernels.interface import Ops
 from kvpilot.kernels.paged_attention import launcher
 from kvpilot.kernels.step_plan import StepPlan
@@ -38,5 +38,10 @@ class TritonOps(Ops):
     def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, plan: StepPlan) -> None:
         rotary.rotary_embedding(plan.positions, q, k, plan.cos_sin_cache)
 
+    def rotary_and_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, plan: StepPlan) -> None:
+        rotary.rotary_and_write_kv(plan.positions, q, k, plan.cos_sin_cache, v, k_cache, v_cache, plan.slot_mapping)
+
+    silu_and_mul = staticmethod(activation.silu_and_mul)
     rms_norm = staticmethod(norm.rms_norm)
     fused_add_rms_norm = staticmethod(norm.fused_add_rms_norm)

@@ -89,16 +89,18 @@ def paged_attention(
 
 def _default_decode(multi: bool) -> DecodeConfig:
     # the interpreter's small tiles keep CPU runs short
-    return DecodeConfig(block_n=16, num_stages=1) if INTERPRETING else MULTI_DECODE if multi else DecodeConfig()
+    if INTERPRETING:
+        return DecodeConfig(block_n=16, num_stages=1, min_split=16)
+    return MULTI_DECODE if multi else DecodeConfig()
 
 
-def _split(num_seqs: int, num_kv_heads: int, max_context: int, decode: DecodeConfig, device: torch.device,
-           num_splits: int | None = None) -> tuple[int, int]:
-    """(number of context slices, tokens per slice, a multiple of decode.block_n) of a decode launch."""
+def _num_splits(num_seqs: int, num_kv_heads: int, max_context: int, decode: DecodeConfig,
+                device: torch.device, num_splits: int | None = None) -> int:
+    """The context slices of a decode launch (each sequence cuts its own context into them:
+    pointer_decode._slice_len); no more than max_context has of decode.min_split tokens."""
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, device)
-    split_size = cdiv(cdiv(max_context, num_splits), decode.block_n) * decode.block_n
-    return cdiv(max_context, split_size), split_size
+        return choose_num_splits(num_seqs, num_kv_heads, max_context, device, decode.min_split)
+    return max(1, min(num_splits, cdiv(max_context, decode.min_split)))
 
 
 def split_probe_widths(num_kv_heads: int, block_size: int, max_blocks: int, device: torch.device) -> list[int]:
@@ -106,11 +108,13 @@ def split_probe_widths(num_kv_heads: int, block_size: int, max_blocks: int, devi
     new token launches each split variant that any step on caches of `block_size` can: split-KV
     builds its decode kernel once and its reduce kernel once per power of two of slices, and one
     sequence reaches every count that more sequences do (the launcher splits less as programs
-    grow). A start-up probe runs one such step per width, so that no step compiles one mid-run."""
+    grow), down to none at all (a context of one block, up to min_split tokens). A start-up probe
+    runs one such step per width, so that no step compiles one mid-run."""
     decode = _default_decode(multi=False)
-    seen, widths = {1}, []  # 1: no split, the width every short step has
+    seen: set[int] = set()
+    widths = []
     for width in range(1, max_blocks + 1):
-        num_splits, _ = _split(1, num_kv_heads, width * block_size, decode, device)
+        num_splits = _num_splits(1, num_kv_heads, width * block_size, decode, device)
         variant = next_power_of_2(num_splits) if num_splits > 1 else 1
         if variant not in seen:
             seen.add(variant)
@@ -150,14 +154,14 @@ def paged_attention_with(
     multi = all_decode and max_query_len is None
     decode = decode or _default_decode(multi)
     max_context = block_tables.shape[1] * block_size  # an upper bound known without a sync
-    num_splits, split_size = _split(num_seqs, num_kv_heads, max_context, decode, q.device, num_splits)
+    num_splits = _num_splits(num_seqs, num_kv_heads, max_context, decode, q.device, num_splits)
     why = "not asked for" if use_tma is False else tma_decode.unsupported(q, k_cache, v_cache)
     if use_tma and why:
         raise ValueError(f"the TMA decode kernel cannot serve these caches: {why}")
     if why is None and not multi and num_splits == 1:
         tma_decode.launch(args, tma or tma_decode.DEFAULTS[block_size])
     else:
-        pointer_decode.launch(args, decode, num_splits, split_size, multi)
+        pointer_decode.launch(args, decode, num_splits, multi)
     if not all_decode:
         if prefill is None:
             prefill = PrefillConfig(block_m=32, block_n=16, num_stages=1) if INTERPRETING else PrefillConfig()

@@ -7,6 +7,11 @@ through per-token block ids, optionally with the context split over several prog
   gathered from several blocks (`tiles.attend_keys`). With num_splits > 1 each program takes one
   slice of the context ("split-KV", flash-decoding) and writes a partial output and its
   log-sum-exp; `_reduce_kernel` merges the slices.
+* The slices are cut from each sequence's own context (`_slice_len`), not from the block
+  table's width: a CUDA graph's tables are as wide as max_model_len, and slices cut from that
+  width left a 600-token context to one slice (one program per KV head) however many the launch
+  had. Each sequence's context goes into num_splits slices of at least MIN_SPLIT tokens; the
+  programs of slices past its end return at once.
 * MULTI builds a variant where a program loops over every query token of its sequence, so any
   q_len stays correct; the launcher uses it when it cannot rule out multi-token sequences in a
   batch with as many tokens as sequences (see `launcher.py`). The loop changes the code Triton
@@ -37,10 +42,18 @@ class DecodeConfig:
     num_warps: int = 2
     num_stages: int = 2
     prefetch: bool = False  # block ids one tile ahead (see tiles.attend_keys)
+    min_split: int = 64  # fewest context tokens in a split-KV slice (rounded up to whole tiles)
 
 
 # the MULTI kernel compiles differently: 128-token tiles suit it, while they slow the single-token one
 MULTI_DECODE = DecodeConfig(block_n=128, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _slice_len(ctx, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Tokens in each split-KV slice of a context of ctx tokens: an even cut into num_splits, at
+    least MIN_SPLIT (then fewer slices hold the context and the rest are empty), in whole tiles."""
+    return tl.cdiv(tl.maximum(tl.cdiv(ctx, num_splits), MIN_SPLIT), BLOCK_N) * BLOCK_N
 
 
 @triton.jit
@@ -77,19 +90,19 @@ def _decode_token(
 
 
 # the block tables' row stride is the widest table of the step: not specialised (prefill.py says
-# why). split_size is always a multiple of BLOCK_N (>= 16), so its one specialisation is reached
-# by every launch; the part_* strides are multiples of D_PAD (>= 16) likewise.
+# why). The part_* strides are multiples of D_PAD (>= 16), so their one specialisation is reached
+# by every launch.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    scale_log2, split_size,
+    scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_pt, stride_ph, stride_ps,
     GROUP: tl.constexpr, M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MULTI: tl.constexpr,
-    PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    PRECISION: tl.constexpr, PREFETCH: tl.constexpr, MIN_SPLIT: tl.constexpr,
 ):
     """Grid (num_kv_heads, num_seqs, num_splits). Memory layout, element strides:
     q/out (num_tokens, num_heads, head_dim): (stride_qt, stride_qh, 1) / (stride_ot, stride_oh, 1);
@@ -98,7 +111,8 @@ def _decode_kernel(
     query_start_loc (qsl) contiguous int32. With SPLIT, part_out (num_tokens, num_heads,
     num_splits, D_PAD) float32 contiguous: (stride_pt, stride_ph, stride_ps, 1) and part_lse its
     (num_tokens, num_heads, num_splits) float32 twin. M is GROUP rounded up to a power of two
-    >= 16 (a tl.dot dimension); rows past GROUP are masked."""
+    >= 16 (a tl.dot dimension); rows past GROUP are masked. Slice `split` of a sequence is keys
+    [split * L, (split + 1) * L) with L = _slice_len(its context, num_splits)."""
     # KV head fastest: programs side by side share a sequence's cache rows (within noise of
     # sequence-fastest order on an H200; kept)
     kvh = tl.program_id(0)
@@ -107,6 +121,12 @@ def _decode_kernel(
     q_start = tl.load(qsl_ptr + seq)
     q_end = tl.load(qsl_ptr + seq + 1)
     ctx = tl.load(seq_lens_ptr + seq)
+    if SPLIT:
+        split_size = _slice_len(ctx, tl.num_programs(2), BLOCK_N, MIN_SPLIT)
+        if split * split_size >= ctx:  # past this sequence's context: the reduce skips the slice
+            return
+    else:
+        split_size = ctx
     rows = tl.arange(0, M)
     row_ok = rows < GROUP
     heads = kvh * GROUP + rows
@@ -133,15 +153,19 @@ def _decode_kernel(
                           M, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SPLIT, PRECISION, PREFETCH)
 
 
-@triton.jit
+# num_splits takes many values (with the block tables' width): not specialised, so one compiled
+# kernel per SPLITS_PAD serves them all
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, qsl_ptr,
-    handle_multi, split_size, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    handle_multi, num_splits, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
 ):
     """Merge the split-KV partial outputs of one (sequence, query head); grid (num_seqs,
     num_heads). Layouts and strides as in `_decode_kernel`; SPLITS_PAD is num_splits rounded up
-    to a power of two. handle_multi (0/1) says whether sequences with q_len != 1 were decoded."""
+    to a power of two. handle_multi (0/1) says whether sequences with q_len != 1 were decoded.
+    The slices are those `_decode_kernel` cut (`_slice_len`); only the non-empty ones are read."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + seq)
@@ -149,6 +173,7 @@ def _reduce_kernel(
     if (handle_multi == 0) & (q_end - q_start != 1):
         return
     ctx = tl.load(seq_lens_ptr + seq)
+    split_size = _slice_len(ctx, num_splits, BLOCK_N, MIN_SPLIT)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
@@ -171,8 +196,10 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Split the context only when the (sequence, KV head) programs cannot fill the chip."""
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device,
+                      min_split: int = DecodeConfig.min_split) -> int:
+    """Split the context only when the (sequence, KV head) programs cannot fill the chip; no
+    more slices than the longest context allowed (`max_context`) has of `min_split` tokens."""
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
     programs = num_seqs * num_kv_heads
     if programs >= 2 * sms:
@@ -180,14 +207,14 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
     # at most one wave of two programs per SM, rounded down: one program past a full wave leaves
     # a second, nearly empty one (benchmarks/RESULTS.md, split-KV)
     by_occupancy = max(1, (2 * sms) // programs)
-    by_length = cdiv(max_context, 512)  # keep each slice long enough to stream
+    by_length = cdiv(max_context, min_split)
     return max(1, min(by_occupancy, by_length, 64))
 
 
-def launch(args: LaunchArgs, config: DecodeConfig, num_splits: int, split_size: int, multi: bool) -> None:
+def launch(args: LaunchArgs, config: DecodeConfig, num_splits: int, multi: bool) -> None:
     """Decode the sequences with one new token (every sequence's tokens when `multi`) into
-    args.out; `split_size` is a multiple of config.block_n covering the context in num_splits.
-    The layouts in args passed `launcher.check`."""
+    args.out, each context cut into up to num_splits slices (`_slice_len`). The layouts in args
+    passed `launcher.check`."""
     out, q = args.out, args.q
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = args.k_cache.shape
@@ -202,18 +229,18 @@ def launch(args: LaunchArgs, config: DecodeConfig, num_splits: int, split_size: 
         part_out = part_lse = out  # unused
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         out, part_out, part_lse, q, args.k_cache, args.v_cache, args.block_tables, args.seq_lens,
-        args.query_start_loc, args.scale_log2, split_size,
+        args.query_start_loc, args.scale_log2,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *args.cache_strides,
         num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
         GROUP=args.group, M=max(16, next_power_of_2(args.group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=config.block_n, SPLIT=num_splits > 1, MULTI=multi,
-        PRECISION=args.precision, PREFETCH=config.prefetch,
+        PRECISION=args.precision, PREFETCH=config.prefetch, MIN_SPLIT=config.min_split,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, args.seq_lens, args.query_start_loc, int(multi), split_size,
+            out, part_out, part_lse, args.seq_lens, args.query_start_loc, int(multi), num_splits,
             out.stride(0), out.stride(1), num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
-            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=next_power_of_2(num_splits),
-            num_warps=4,
+            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=next_power_of_2(num_splits), BLOCK_N=config.block_n,
+            MIN_SPLIT=config.min_split, num_warps=4,
         )

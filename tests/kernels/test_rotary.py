@@ -1,4 +1,5 @@
-"""rotary_embedding rotates q and k in place exactly as the reference (NeoX halves)."""
+"""rotary_embedding rotates q and k in place exactly as the reference (NeoX halves);
+rotary_and_write_kv does that and the cache write in one launch."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from kvpilot.kernels import reference
-from kvpilot.kernels.rotary import rotary_embedding
+from kvpilot.kernels.cache import write_kv_cache
+from kvpilot.kernels.rotary import rotary_and_write_kv, rotary_embedding
 
 
 def cos_sin(max_positions: int, head_dim: int, device: torch.device | str) -> torch.Tensor:
@@ -84,3 +86,44 @@ def test_rejects_bad_arguments(case: str, message: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bf16_real_sizes() -> None:
     check(4096, 32, 8, 128, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(64, 8), (80, 16), (128, 32)])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_fused_cache_write_is_rotary_then_write(head_dim: int, block_size: int, head_major: bool,
+                                                device: torch.device) -> None:
+    """rotary_and_write_kv leaves q, k and both caches exactly as rotary_embedding followed by
+    write_kv_cache do: the rotated keys in their slots, the values as given, padding tokens
+    (slot -1) rotated but not written, every other slot untouched; q, k, v as views of one buffer."""
+    t, heads, kv_heads = 9, 6, 2
+    table = cos_sin(512, head_dim, device)
+    positions = torch.randint(0, 512, (t,), device=device)
+    num_blocks = 2 * -(-t // block_size) + 1
+    slots = torch.randperm(num_blocks * block_size, device=device)[:t]
+    slots[[1, 5]] = -1
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, device=device, dtype=torch.float16)
+    caches = [reference.kv_cache_empty(num_blocks, block_size, kv_heads, head_dim, head_major=head_major,
+                                       dtype=torch.float16, device=device) for _ in range(2)]
+    for c in caches:
+        c.copy_(torch.randn(c.shape))
+
+    def views(buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q = buf[:, :heads * head_dim].view(t, heads, head_dim)
+        k = buf[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+        return q, k, buf[:, (heads + kv_heads) * head_dim:].view(t, kv_heads, head_dim)
+
+    ref_buf, ref_caches = qkv.clone(), [c.clone() for c in caches]
+    q, k, v = views(ref_buf)
+    rotary_embedding(positions, q, k, table)
+    write_kv_cache(k, v, *ref_caches, slots)
+    q, k, v = views(qkv)
+    rotary_and_write_kv(positions, q, k, table, v, *caches, slots)
+    assert torch.equal(qkv, ref_buf)
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+
+
+def test_fused_cache_write_checks_the_cache_arguments() -> None:
+    q, k, v = torch.randn(4, 4, 64), torch.randn(4, 2, 64), torch.randn(4, 2, 64)
+    caches = [torch.zeros(3, 8, 2, 64) for _ in range(2)]
+    with pytest.raises(ValueError, match="slot_mapping must have shape"):
+        rotary_and_write_kv(torch.arange(4), q, k, cos_sin(16, 64, "cpu"), v, *caches, torch.arange(3))

@@ -1,7 +1,7 @@
 """The Llama family in kvpilot's own torch code: Llama 2/3 (llama3 rope scaling), Mistral, Qwen2
 (q/k/v bias) and tied embeddings (SmolLM2). GQA, RMSNorm, SwiGLU.
 
-Attention, KV writes, norms and rotary go through `kvpilot.kernels.ops`, so the same model runs
+Attention, KV writes, norms, rotary and SwiGLU's activation go through `kvpilot.kernels.ops`, so the same model runs
 the Triton kernels on CUDA and the reference ops on CPU. q/k/v and gate/up projections are fused
 into one matrix each (one GEMM instead of three/two); `load_weights` splits HF's tensors into them.
 Under tensor parallelism (parallel.py) each rank builds only its slice of every layer and reads
@@ -143,15 +143,13 @@ class DecoderLayer(nn.Module):
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, head_dim)
         k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, head_dim)
         v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, head_dim)
-        ops.rotary_embedding(q, k, plan)
         k_cache, v_cache = kv_cache
-        ops.write_kv_cache(k, v, k_cache, v_cache, plan)
+        ops.rotary_and_write_kv(q, k, v, k_cache, v_cache, plan)
         out = ops.paged_attention(q, k_cache, v_cache, plan, self.scale)  # (T, H, D)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, q_size)))
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+    def mlp(self, h: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -188,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
                 ops.fused_add_rms_norm(h, residual, layer.input_layernorm, eps)
             h = layer.attention(h, kv_caches[i], plan, ops)
             ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm, eps)
-            h = layer.mlp(h)
+            h = layer.mlp(h, ops)
         ops.fused_add_rms_norm(h, residual, self.norm, eps)
         return h
 
