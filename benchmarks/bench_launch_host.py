@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.kernels import cache, norm, rotary
+from kvpilot.kernels import activation, cache, norm, rotary
 from kvpilot.kernels.paged_attention import launcher, pointer_decode, prefill, tma_decode
 from kvpilot.kernels.reference import kv_cache_empty
 from kvpilot.kernels.step_plan import StepPlan
@@ -71,7 +71,8 @@ def launch_part() -> dict[str, float]:
     """Per-call host time of each launcher, in µs."""
     for module, name in ((pointer_decode, "_decode_kernel"), (tma_decode, "_decode_tma_kernel"),
                          (prefill, "_prefill_kernel"), (pointer_decode, "_reduce_kernel"),
-                         (cache, "_write_kv_cache_kernel"), (norm, "_rms_norm_kernel"), (rotary, "_rotary_kernel")):
+                         (cache, "_write_kv_cache_kernel"), (norm, "_rms_norm_kernel"), (rotary, "_rotary_kernel"),
+                         (activation, "_silu_and_mul_kernel")):
         setattr(module, name, _NoLaunch())
     b, ctx, heads, kv_heads, d, block_size = 64, 2048, 32, 8, 128, 16
     num_blocks = b * ctx // block_size
@@ -83,6 +84,7 @@ def launch_part() -> dict[str, float]:
     q, k, v = torch.randn(b, heads, d), torch.randn(b, kv_heads, d), torch.randn(b, kv_heads, d)
     slots, positions = torch.arange(b), torch.arange(b)
     x, res, w = torch.randn(b, 4096), torch.randn(b, 4096), torch.ones(4096)
+    gate_up = torch.randn(b, 2 * 14336)
     rope = torch.randn(ctx, d)
     plan = StepPlan(positions, slots, tables, seq_lens, qsl, 1, rope, block_size)
     triton_ops = TritonOps()
@@ -92,6 +94,8 @@ def launch_part() -> dict[str, float]:
         "  the same through TritonOps": lambda: triton_ops.paged_attention(q, k_cache, v_cache, plan, 0.1),
         "write_kv_cache": lambda: cache.write_kv_cache(k, v, k_cache, v_cache, slots),
         "rotary_embedding": lambda: rotary.rotary_embedding(positions, q, k, rope),
+        "rotary_and_write_kv": lambda: rotary.rotary_and_write_kv(positions, q, k, rope, v, k_cache, v_cache, slots),
+        "silu_and_mul": lambda: activation.silu_and_mul(gate_up),
         "fused_add_rms_norm": lambda: norm.fused_add_rms_norm(x, res, w, 1e-5),
     }
     results = {}
