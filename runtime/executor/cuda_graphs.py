@@ -9,8 +9,10 @@ that `run` fills each step (through batch.py's `to_tensors`, which pads rows pas
 never touch a real sequence's cache).
 
 The graphs record the ops' `for_graphs()`: on Hopper GPUs paged attention there takes the TMA
-decode kernel, whose launch costs more host time than the device time it saves, which a replay
-does not pay (kernels/paged_attention/tma_decode.py).
+decode kernel wherever it does not split the context (batches whose (sequence, KV head) programs
+fill the chip; smaller ones split each context over more programs), whose launch costs more host
+time than the device time it saves, which a replay does not pay
+(kernels/paged_attention/tma_decode.py).
 
 Graphs are captured when the runner starts (after the KV cache is allocated, largest first, into
 one shared memory pool), for every allowed block size (`GraphsBySize`): a live block-size change
