@@ -17,6 +17,15 @@ from kvpilot.kernels.host import next_power_of_2
 
 
 @triton.jit
+def slot_ptrs(cache_ptr, slot, h, cols, stride_b, stride_s, stride_h, BLOCK_SIZE: tl.constexpr):
+    """Pointers to columns `cols` of heads `h` in the cache slot `slot` (flat, int64); the fused
+    rotary kernel (`rotary.py`) writes through the same addressing."""
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    return cache_ptr + block * stride_b + offset * stride_s + h[:, None] * stride_h + cols[None, :]
+
+
+@triton.jit
 def _write_kv_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -28,17 +37,13 @@ def _write_kv_cache_kernel(
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot < 0:
         return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
     h = tl.arange(0, H_PAD)
     d = tl.arange(0, D_PAD)
     mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
     k = tl.load(k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    tl.store(k_cache_ptr + block * stride_cb + offset * stride_cs + h[:, None] * stride_ch + d[None, :],
-             k, mask=mask)
-    tl.store(v_cache_ptr + block * stride_db + offset * stride_ds + h[:, None] * stride_dh + d[None, :],
-             v, mask=mask)
+    tl.store(slot_ptrs(k_cache_ptr, slot, h, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE), k, mask=mask)
+    tl.store(slot_ptrs(v_cache_ptr, slot, h, d, stride_db, stride_ds, stride_dh, BLOCK_SIZE), v, mask=mask)
 
 
 def write_kv_cache(

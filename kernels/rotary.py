@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels import cache
+from kvpilot.kernels.cache import slot_ptrs
 from kvpilot.kernels.checks import FLOAT_DTYPES, check_contiguous, check_shape, check_tensor
 from kvpilot.kernels.host import next_power_of_2
 
@@ -62,15 +63,13 @@ def _rotary_kernel(
     if WRITE_KV:
         slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
         if slot >= 0:
-            block = slot // BLOCK_SIZE
-            offset = slot % BLOCK_SIZE
             h = tl.arange(0, HK_PAD)
             mask = (h[:, None] < NUM_KV_HEADS) & (c[None, :] < HALF)
-            kc = k_cache_ptr + block * stride_cb + offset * stride_cs + h[:, None] * stride_ch + c[None, :]
+            kc = slot_ptrs(k_cache_ptr, slot, h, c, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
             tl.store(kc, k1, mask=mask)
             tl.store(kc + HALF, k2, mask=mask)
             v = v_ptr + tok * stride_vt + h[:, None] * stride_vh + c[None, :]
-            vc = v_cache_ptr + block * stride_db + offset * stride_ds + h[:, None] * stride_dh + c[None, :]
+            vc = slot_ptrs(v_cache_ptr, slot, h, c, stride_db, stride_ds, stride_dh, BLOCK_SIZE)
             tl.store(vc, tl.load(v, mask=mask), mask=mask)
             tl.store(vc + HALF, tl.load(v + HALF, mask=mask), mask=mask)
 
