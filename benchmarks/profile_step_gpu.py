@@ -1,6 +1,10 @@
 """Where a decode step's time goes on the GPU: the kernels of steady-state decode steps (every
-sequence of the batch decoding), grouped by what they do, against the steps' wall time. What the
-kernels do not fill is the device waiting for the host ("idle").
+sequence of the batch decoding), grouped by what they do, against the steps' time. "gaps" is the
+time between the first kernel and the last that no kernel fills (launch gaps inside a graph, the
+device waiting for the host); "edges" is the rest of the profiled window's wall time, chiefly the
+host preparing the first step after the window's start (the device idles there by construction),
+so it shrinks as --steps grows and is not part of a steady step. "step_unprofiled" is the median
+time between two `step()` returns over as many steps just before, without the profiler.
 
 Llama-3-8B shape, dummy bf16 weights, the engine's defaults (CUDA graphs, async scheduling unless
 --no-async-scheduling); torch's profiler records the kernels a graph replays.
@@ -12,9 +16,11 @@ Usage (GPU): PYTHONSAFEPATH=1 python3 benchmarks/profile_step_gpu.py [--batches 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import re
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -57,8 +63,11 @@ def profile_batch(llm: LLM, batch: int, prompt_len: int, steps: int, top: int) -
         engine.add_request(f"profile-{batch}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)], params)
     while not full_decode(engine, batch):
         engine.step()
-    for _ in range(steps):  # the profiler's own start-up kept out of the steps it times
+    returns = [time.perf_counter()]
+    for _ in range(steps):  # also keeps the profiler's own start-up out of the steps it times
         engine.step()
+        returns.append(time.perf_counter())
+    unprofiled_ms = statistics.median(b - a for a, b in itertools.pairwise(returns)) * 1e3
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
@@ -87,7 +96,8 @@ def profile_batch(llm: LLM, batch: int, prompt_len: int, steps: int, top: int) -
     kernels = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "batch": batch, "prompt_len": prompt_len, "steps": steps, "step_ms": wall_ms / steps,
-        "device_busy_ms": busy / steps, "device_idle_ms": max(0.0, wall_ms - busy) / steps,
+        "step_unprofiled_ms": unprofiled_ms, "device_busy_ms": busy / steps,
+        "gaps_ms": max(0.0, span - busy) / steps, "edges_ms": max(0.0, wall_ms - span) / steps,
         "kernel_span_ms": span / steps, "kernels_per_step": len(device) / steps, "groups_ms": per_step,
         "top_kernels": [{"name": name[:90], "group": group_of(name), "ms_per_step": ms / steps,
                          "launches_per_step": n / steps} for name, (ms, n) in kernels],

@@ -87,26 +87,28 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
            generators: list[torch.Generator | None] | None = None) -> SampleResult:
-    """logits (num_rows, vocab) float32 -> one token per row; `generators[i]` (None: the global
-    one) draws row i's noise."""
+    """logits (num_rows, vocab), of any float dtype -> one token per row; `generators[i]` (None:
+    the global one) draws row i's noise."""
     return sample_on_device(logits, rows, generators).result()
 
 
 def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow],
                      generators: list[torch.Generator | None] | None = None) -> DeviceSample:
-    """`sample`, launched: the tokens stay on the device and their copy to the host is queued."""
+    """`sample`, launched: the tokens stay on the device and their copy to the host is queued.
+    `logits` may be in the model's dtype: greedy rows take their argmax there (widening to float32
+    is exact, so it picks the same token), everything else is computed in float32."""
     device = logits.device
     want_logprobs = [r.params.logprobs is not None for r in rows]
-    raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+    raw_logprobs = logits.log_softmax(dim=-1, dtype=torch.float32) if any(want_logprobs) else None
     if any(r.params.needs_penalties or r.params.min_tokens for r in rows):
-        logits = logits.clone()
+        logits = logits.to(torch.float32, copy=True)  # the caller's logits stay as they were
         _apply_penalties(logits, rows)
         _apply_min_tokens(logits, rows)
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         idx = to_device(random_rows, torch.long, device)
-        probs = _filter(logits[idx], [rows[i] for i in random_rows])
+        probs = _filter(logits[idx].float(), [rows[i] for i in random_rows])
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
             noise[j].exponential_(generator=generators[i] if generators else None)

@@ -191,10 +191,11 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32; every rank takes part under tensor parallelism."""
+        """(N, hidden) -> (N, vocab) in the model's dtype (the sampler widens the rows that need
+        float32: a greedy argmax does not); every rank takes part under tensor parallelism."""
         local = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
         logits = self.tp.all_gather_last_dim(local)
-        return logits[:, :self.cfg.vocab_size].float()
+        return logits[:, :self.cfg.vocab_size]
 
     # HF module -> (our fused parameter, shard index within it)
     _FUSED = {

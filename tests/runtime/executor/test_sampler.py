@@ -92,3 +92,24 @@ def test_a_mixed_batch_takes_one_host_copy_and_matches_per_row_results(monkeypat
     copies.clear()
     sample(logits.clone(), [rows[0], rows[3]])  # no logprobs asked: the tokens alone
     assert len(copies) == 1
+
+
+def test_logits_in_the_model_dtype_sample_as_their_float32_widening() -> None:
+    """The runner hands over bf16/fp16 logits: greedy rows take the argmax there, the rest widen to
+    float32 first, so every row samples exactly what the float32 logits give (ties included)."""
+    torch.manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = (torch.randn(6, 500) * 4).to(dtype)
+        logits[0, 7] = logits[0, 300] = logits[0].max() + 1  # a tie: the first index wins either way
+        params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=3),
+                  SamplingParams(temperature=0.8, top_k=20, seed=5), SamplingParams(temperature=1.2, top_p=0.9),
+                  SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=0.5),
+                  SamplingParams(temperature=0.7, min_p=0.05, logprobs=2)]
+        rows = [SamplingRow(seq_id=i, params=p, token_ids=[3, 7, 9], num_prompt_tokens=1, eos_token_ids=frozenset())
+                for i, p in enumerate(params)]
+        narrow = logits.clone()
+        got = sample(narrow, rows, [torch.Generator().manual_seed(i) for i in range(len(rows))])
+        want = sample(logits.float(), rows, [torch.Generator().manual_seed(i) for i in range(len(rows))])
+        assert got == want, dtype
+        assert got.token_ids[0] == 7
+        assert torch.equal(narrow, logits)  # penalties work on a copy
