@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import secrets
 import shlex
@@ -282,7 +283,6 @@ class _CounterSampler:
                     self.points.append((sample.time - started_at, total["preemptions"], total["swap_bytes"]))
                 if stop.is_set():
                     return
-                try:
-                    await asyncio.wait_for(stop.wait(), 1.0)
-                except TimeoutError:
-                    pass
+                with contextlib.suppress(TimeoutError):  # asyncio.timeout keeps a cancellation
+                    async with asyncio.timeout(1.0):
+                        await stop.wait()

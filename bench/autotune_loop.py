@@ -12,6 +12,7 @@ policy weighs against the next such switch's expected gain (as the operator does
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -106,10 +107,9 @@ class LiveTuner:
                         last_change = time.time()
                 else:
                     self.log.num_holds += 1
-                try:
-                    await asyncio.wait_for(stop.wait(), spec.interval_s)
-                except TimeoutError:
-                    pass
+                with contextlib.suppress(TimeoutError):  # asyncio.timeout keeps a cancellation
+                    async with asyncio.timeout(spec.interval_s):
+                        await stop.wait()
 
 
 def _knobs(config: LiveConfig) -> dict[str, Any]:

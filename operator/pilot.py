@@ -198,8 +198,11 @@ class Pilot:
             except Exception:  # a bug must not end the loop of every later pass
                 logger.exception(f"pilot of InferenceService {self.key} failed")
             self._wakeup.clear()
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the wake-up and drops a
+            # cancellation (Pilot.stop's) that arrives as the event is set, and the loop would go on
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), timeout=self.settings.interval_s)
+                async with asyncio.timeout(self.settings.interval_s):
+                    await self._wakeup.wait()
 
     async def run_once(self) -> None:
         key = self.key

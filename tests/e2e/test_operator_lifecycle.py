@@ -17,6 +17,7 @@ import copy
 import functools
 import itertools
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -94,8 +95,9 @@ class Emulator(kmock.KubernetesScaffold):
                 return aiohttp.web.json_response(namespaces)
             response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
             await response.prepare(raw_request)
-            with contextlib.suppress(asyncio.CancelledError, ConnectionResetError):
-                await asyncio.sleep(float(raw_request.query.get("timeoutSeconds") or 300))
+            deadline = time.monotonic() + float(raw_request.query.get("timeoutSeconds") or 300)
+            while time.monotonic() < deadline and not _gone(raw_request):
+                await asyncio.sleep(0.5)
             return response
         return await super().__call__(raw_request)
 
@@ -247,7 +249,7 @@ class Emulator(kmock.KubernetesScaffold):
             since = self.last_rv
         deadline = time.monotonic() + float(request.params.get("timeoutSeconds") or 300)
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not _gone(raw):
                 snapshot = [entry for entry in self.log if entry[0] > since]
                 for _rv, resource, event in snapshot:
                     obj = event["object"]
@@ -259,11 +261,19 @@ class Emulator(kmock.KubernetesScaffold):
                 async with self.changed:
                     if self.log and self.log[-1][0] > since:
                         continue  # published while we were writing
+                    # not wait_for, which on Python 3.11 drops a cancellation that meets a notify
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.changed.wait(), timeout=1)
-        except (ConnectionResetError, asyncio.CancelledError):
+                        async with asyncio.timeout(0.5):
+                            await self.changed.wait()
+        except ConnectionResetError:
             pass
         return response
+
+
+def _gone(raw: aiohttp.web.BaseRequest) -> bool:
+    """The watching client has closed the connection (aiohttp does not cancel a handler for that):
+    the watch ends, as a real API server's does."""
+    return raw.transport is None or raw.transport.is_closing()
 
 
 def _selected(obj: dict[str, Any], selector: str | None) -> bool:
@@ -377,22 +387,42 @@ async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
 
 @contextlib.asynccontextmanager
 async def operator(resync_interval: float = 3600, **config: Any) -> AsyncIterator[None]:
-    """One run of `kvpilot operator --namespace default --standalone`, in this event loop;
-    `config`: further OperatorConfig fields (the operator's flags)."""
+    """One run of `kvpilot operator --namespace default --standalone`; `config`: further
+    OperatorConfig fields (the operator's flags). It runs in a thread with an event loop of its
+    own, as it runs in a process of its own: stopping, kopf cancels every task of its loop that it
+    did not find at its start, which in the test's loop would be the emulator's and the engine
+    stand-ins' connections."""
     registry = kopf.OperatorRegistry()
     handlers.register(registry, handlers.OperatorConfig(image="kvpilot:test", resync_interval=resync_interval,
                                                         **config))
     settings = kopf.OperatorSettings()
     settings.watching.reconnect_backoff = 0.1
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(kopf.operator(registry=registry, settings=settings, standalone=True,
-                                             namespaces=[NS], stop_flag=stop, ready_flag=ready))
-    await asyncio.wait_for(ready.wait(), timeout=20)
+    stop, ready = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(kopf.operator(registry=registry, settings=settings, standalone=True, namespaces=[NS],
+                                      stop_flag=stop, ready_flag=ready))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test below
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="kopf operator", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not ready.is_set() and thread.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
     try:
+        if failed:
+            raise failed[0]
+        assert ready.is_set(), "the operator did not start within 20 s"
         yield
     finally:
         stop.set()
-        await asyncio.wait_for(task, timeout=20)
+        await asyncio.to_thread(thread.join, 20)
+        assert not thread.is_alive(), "the operator did not stop within 20 s"
+    if failed:
+        raise failed[0]
 
 
 SPEC = {"model": {"source": "embedded"}, "resources": {"gpus": 1}}

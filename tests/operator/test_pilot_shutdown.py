@@ -55,3 +55,32 @@ async def test_stopping_a_pilot_lets_the_callers_cancellation_through() -> None:
         release.set()
         with contextlib.suppress(asyncio.CancelledError):
             await pilot._task
+
+
+async def test_a_pilot_stopped_in_the_turn_it_is_woken_stops() -> None:
+    """A wake-up (a spec change) and Pilot.stop's cancellation in one turn of the event loop: the
+    loop of passes ends all the same. (Python 3.11's wait_for returned the wake-up and dropped the
+    cancellation: the loop went on and stop waited for it forever.)"""
+    async with aiohttp.ClientSession() as session:
+        pilot = Pilot(KEY, NO_KUBE, session, SETTINGS, {}, poke=lambda key: None)
+        passes = 0
+
+        async def run_once() -> None:  # a pass without an API server
+            nonlocal passes
+            passes += 1
+
+        pilot.run_once = run_once  # type: ignore[method-assign]
+        pilot.start()
+        task = pilot._task
+        assert task is not None
+        try:
+            await asyncio.sleep(0.05)  # the first pass is done: waiting for the interval or a wake-up
+            assert passes == 1
+            pilot._wakeup.set()
+            task.cancel()
+            await asyncio.wait([task], timeout=2.0)
+            assert task.cancelled() and passes == 1
+        finally:
+            while not task.done():  # the old loop: cancel until it takes
+                task.cancel()
+                await asyncio.wait([task], timeout=0.1)
