@@ -87,11 +87,15 @@ def launch_part() -> dict[str, float]:
     gate_up = torch.randn(b, 2 * 14336)
     rope = torch.randn(ctx, d)
     plan = StepPlan(positions, slots, tables, seq_lens, qsl, 1, rope, block_size)
+    # one stream at context 1,024: the split-KV path (a decode launch and a reduce)
+    tables1, seq_lens1, qsl1 = tables[:1, :1024 // block_size], seq_lens[:1].clone().fill_(1024), qsl[:2]
     triton_ops = TritonOps()
     ops = {
         "paged_attention (decode batch)": lambda: launcher.paged_attention(q, k_cache, v_cache, tables, seq_lens,
                                                                             qsl, 0.1, 1),
         "  the same through TritonOps": lambda: triton_ops.paged_attention(q, k_cache, v_cache, plan, 0.1),
+        "paged_attention (one stream)": lambda: launcher.paged_attention(q[:1], k_cache, v_cache, tables1, seq_lens1,
+                                                                          qsl1, 0.1, 1),
         "write_kv_cache": lambda: cache.write_kv_cache(k, v, k_cache, v_cache, slots),
         "rotary_embedding": lambda: rotary.rotary_embedding(positions, q, k, rope),
         "rotary_and_write_kv": lambda: rotary.rotary_and_write_kv(positions, q, k, rope, v, k_cache, v_cache, slots),
