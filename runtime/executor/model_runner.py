@@ -278,6 +278,8 @@ class ModelRunner:
             hidden = self.model(input_ids, self.kv_caches, plan, self.ops)
         if not inputs.logits_rows:
             return None
+        if len(inputs.logits_rows) == hidden.shape[0]:  # every row samples (the rows ascend): decodes
+            return self.model.compute_logits(hidden)
         rows = to_device(inputs.logits_rows, torch.long, self.device)
         return self.model.compute_logits(hidden[rows])
 
