@@ -23,6 +23,7 @@ class Tokenizer:
 
         self.hf = AutoTokenizer.from_pretrained(folder)
         self.eos_token_ids = self._eos_ids(Path(folder))
+        self._token_texts: dict[int, str] = {}  # convert_id's: at most one entry a vocabulary id
 
     def _eos_ids(self, folder: Path) -> set[int]:
         ids: set[int] = set()
@@ -49,7 +50,12 @@ class Tokenizer:
         return str(text)
 
     def convert_id(self, token_id: int) -> str:
-        return str(self.hf.convert_ids_to_tokens(token_id))
+        """One token's text, as `Logprob.decoded_token` and the server's logprobs show it: " Paris",
+        not the vocabulary's byte-level spelling "ĠParis"."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = str(self.hf.decode([token_id], skip_special_tokens=False))
+        return text
 
     def detokenize_step(self, seq: Sequence) -> str:
         """Append the text of `seq`'s newest token to `seq.text`; return the new characters."""

@@ -285,7 +285,7 @@ class OpenAIServing:
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"<{token_id}>"
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.convert_id(token_id)
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -181,6 +181,9 @@ def test_logprobs_agree_with_hf_log_softmax(smol_llm: LLM, smol_hf) -> None:
         assert entry[token].logprob == pytest.approx(ref[step, token].item(), abs=1e-3)
         top_ids = ref[step].topk(5).indices.tolist()
         assert set(entry) == set(top_ids)
+        # each token's text as the tokenizer decodes it alone (" Paris", not the vocabulary's "ĠParis")
+        assert all(lp.decoded_token == smol_llm.engine.tokenizer.decode([t], skip_special_tokens=False)
+                   for t, lp in entry.items())
         total += entry[token].logprob
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
 
