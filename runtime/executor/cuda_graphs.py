@@ -8,11 +8,11 @@ described by n: it runs the graph of the smallest captured size >= n, on static 
 that `run` fills each step (through batch.py's `to_tensors`, which pads rows past n so that they
 never touch a real sequence's cache).
 
-The graphs record the ops' `for_graphs()`: on Hopper GPUs paged attention there takes the TMA
-decode kernel wherever it does not split the context (batches whose (sequence, KV head) programs
-fill the chip; smaller ones split each context over more programs), whose launch costs more host
-time than the device time it saves, which a replay does not pay
-(kernels/paged_attention/tma_decode.py).
+The graphs record the ops' `for_graphs()`: on Hopper GPUs their paged attention takes the TMA
+decode kernel, whose launch costs more host time than the device time it saves, which a replay
+does not pay (kernels/paged_attention/tma_decode.py). It does so where the context is not split:
+batches whose (sequence, KV head) programs fill the chip; smaller ones split each context over
+more programs with the pointer kernel.
 
 Graphs are captured when the runner starts (after the KV cache is allocated, largest first, into
 one shared memory pool), for every allowed block size (`GraphsBySize`): a live block-size change

@@ -2,10 +2,10 @@
 (q/k/v bias) and tied embeddings (SmolLM2). GQA, RMSNorm, SwiGLU.
 
 Attention, KV writes, norms, rotary and SwiGLU's activation go through `kvpilot.kernels.ops`, so
-the same model runs the Triton kernels on CUDA and the reference ops on CPU. q/k/v and gate/up projections are fused
-into one matrix each (one GEMM instead of three/two); `load_weights` splits HF's tensors into them.
-Under tensor parallelism (parallel.py) each rank builds only its slice of every layer and reads
-only that slice from the checkpoint.
+the same model runs the Triton kernels on CUDA and the reference ops on CPU. q/k/v and gate/up
+projections are fused into one matrix each (one GEMM instead of three/two); `load_weights` splits
+HF's tensors into them. Under tensor parallelism (parallel.py) each rank builds only its slice of
+every layer and reads only that slice from the checkpoint.
 """
 
 from __future__ import annotations
