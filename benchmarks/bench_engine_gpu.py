@@ -89,7 +89,7 @@ def timed_forward(runner: ModelRunner) -> list[Span]:
     spans: list[Span] = []
     inner = runner._run
 
-    def run(inputs: StepInputs) -> torch.Tensor | None:
+    def run(inputs: StepInputs) -> tuple[torch.Tensor | None, object]:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         out = inner(inputs)

@@ -124,12 +124,12 @@ class HostOnlyForward:
         rows = max(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
         self.logits = torch.zeros(rows, runner.model_config.vocab_size)
 
-    def __call__(self, inputs: StepInputs) -> torch.Tensor | None:
+    def __call__(self, inputs: StepInputs) -> tuple[torch.Tensor | None, None]:
         if not (inputs.is_decode_only and self.graphs.stage(inputs) is not None):
             to_tensors(inputs, self.runner.device)
         if not inputs.logits_rows:
-            return None
-        return self.logits[torch.tensor(inputs.logits_rows, dtype=torch.long)]
+            return None, None
+        return self.logits[torch.tensor(inputs.logits_rows, dtype=torch.long)], None
 
 
 def engine_llm(max_num_seqs: int, prompt_len: int, new_tokens: int) -> LLM:

@@ -15,6 +15,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token and the top alternatives).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing precedes it), else a dict as above with
+# the prompt's own token and the top alternatives at that position.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -50,3 +53,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # when `SamplingParams.prompt_logprobs` asks

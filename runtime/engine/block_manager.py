@@ -125,8 +125,9 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """The cached blocks holding `seq`'s leading full blocks, in order, and their digests
-        (none when caching is off). The last token is never matched: its logits must be computed."""
-        if not self.enable_prefix_caching or seq.block_table:
+        (none when caching is off, or while its prompt's logits are wanted: sequence.py). The
+        last token is never matched: its logits must be computed."""
+        if not self.enable_prefix_caching or seq.block_table or seq.needs_prompt_logits:
             return [], []
         matched: list[int] = []
         digests: list[bytes] = []

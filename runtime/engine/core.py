@@ -6,7 +6,7 @@ run, sample) share no GIL. They talk over two ZeroMQ sockets on local IPC paths,
 direction, with msgspec's MessagePack encoding of the small structs below: token ids in, token
 ids out, never a pickled object on the hot path. The core batches what one step produced into
 one `CoreOutputs` message: for each request touched, each sample's *new* token ids, its finish
-reason and, when asked, the logprobs of those tokens; plus the step's stats and a snapshot of the
+reason and, when asked, the logprobs of those tokens (and the prompt's new logprob entries); plus the step's stats and a snapshot of the
 scheduler and KV cache for `/health` and `/metrics`. Commands (add, abort, finish samples,
 utility calls) are applied between steps; admissions are acknowledged at once, before the next
 step, so a bad request is refused before its HTTP response starts.
@@ -117,6 +117,9 @@ class RequestDelta(msgspec.Struct, array_like=True):
     finished_time: float | None
     num_cached_tokens: int
     finished: bool
+    # prompt logprobs asked: the entries new since the last message, as SeqDelta.logprobs' (the
+    # first prompt token, which has none, is not sent)
+    prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
 
 
 class Ack(msgspec.Struct, array_like=True):
@@ -272,6 +275,7 @@ class EngineCore:
         # request id -> per sample, the output tokens sent (None once its end was sent)
         self._sent: dict[str, list[int | None]] = {}
         self._wants_logprobs: set[str] = set()
+        self._prompt_sent: dict[str, int] = {}  # prompt logprobs asked: entries sent (the first is None)
 
     def run(self) -> None:
         import zmq
@@ -343,6 +347,8 @@ class EngineCore:
         self._sent[msg.request_id] = [0] * len(self.engine.requests[msg.request_id].seqs)
         if params.logprobs is not None:
             self._wants_logprobs.add(msg.request_id)
+        if params.prompt_logprobs is not None:
+            self._prompt_sent[msg.request_id] = 1
         return Ack(msg.request_id)
 
     def _call(self, msg: UtilityCall) -> None:
@@ -359,6 +365,7 @@ class EngineCore:
     def _forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
         self._wants_logprobs.discard(request_id)
+        self._prompt_sent.pop(request_id, None)
 
     # ---- outputs ---------------------------------------------------------------------------
 
@@ -386,9 +393,15 @@ class EngineCore:
                 seqs.append(SeqDelta(seq.index, new, lps, seq.finish_reason, stop))
             m = request.metrics
             finished = request.is_finished
+            prompt_lps = None
+            prompt_sent = self._prompt_sent.get(request.request_id)
+            if prompt_sent is not None and len(request.prompt_logprobs) > prompt_sent:
+                prompt_lps = [[(tid, lp.logprob, lp.rank) for tid, lp in entry.items()]
+                              for entry in request.prompt_logprobs[prompt_sent:]]
+                self._prompt_sent[request.request_id] = len(request.prompt_logprobs)
             deltas.append(RequestDelta(
                 request.request_id, seqs, m.first_scheduled_time, m.first_token_time, m.last_token_time,
-                m.finished_time, max(seq.num_cached_tokens for seq in request.seqs), finished))
+                m.finished_time, max(seq.num_cached_tokens for seq in request.seqs), finished, prompt_lps))
             if finished:
                 self._forget(request.request_id)
         return deltas

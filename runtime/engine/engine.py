@@ -51,7 +51,7 @@ from kvpilot.runtime.engine.tokenizer import Tokenizer, encode_prompt
 from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.executor.inputs import StepInputs
 from kvpilot.runtime.executor.model_runner import ModelRunner
-from kvpilot.runtime.executor.sampler import DeviceSample, SampleResult
+from kvpilot.runtime.executor.sampler import DevicePromptLogprobs, DeviceSample, SampleResult
 from kvpilot.runtime.executor.worker import Workers
 from kvpilot.runtime.outputs import Logprob, RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
@@ -91,6 +91,8 @@ class _Launched:
 
     sched: SchedulerOutput
     sampled: DeviceSample | None  # None: nothing sampled
+    prompt: DevicePromptLogprobs | None = None  # prompt logprobs: the owners' rows, in order
+    prompt_owners: list[tuple[Request, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclass
@@ -339,7 +341,7 @@ class LLMEngine:
         """Queue the step on the device, then move the host's view on as if it had run: the
         scheduled tokens count as computed and each sampled token as pending, so the next step can
         be scheduled before this one's tokens are known."""
-        sampled = self.runner.launch(inputs)
+        sampled, prompt = self.runner.launch(inputs)
         now = time.time()
         max_len = self.config.model.max_model_len
         sample_index = 0
@@ -358,7 +360,8 @@ class LLMEngine:
                 seq.pending_sample = sample_index
                 sample_index += 1
                 seq.ends_when_resolved = reaches_length(seq, seq.num_tokens, max_len)
-        return _Launched(sched, sampled)
+        owners = [(self.requests[request_id], count) for request_id, count in inputs.prompt_logprob_owners]
+        return _Launched(sched, sampled, prompt, owners)
 
     def _drain(self) -> None:
         """Postprocess the step in flight now (before a change that must meet no pending token);
@@ -372,6 +375,8 @@ class LLMEngine:
         conditions; the outputs of the requests touched (or finished). A sequence that ended
         meanwhile (an earlier step's token, an abort) drops its token."""
         result = launched.sampled.result() if launched.sampled is not None else SampleResult([], [])
+        if launched.prompt is not None:
+            self._record_prompt_logprobs(launched.prompt.result(), launched.prompt_owners)
         now = time.time()
         touched: dict[str, Request] = {}
         token_ids, logprobs = result.token_ids, result.logprobs
@@ -414,13 +419,29 @@ class LLMEngine:
         return _Resolved(outputs, num_prompt_tokens, num_generated)
 
     def _record_logprobs(self, seq: Sequence, token: int, lp: tuple[float, int, list[tuple[int, float]]]) -> None:
+        seq.logprobs.append(self._logprob_entry(token, lp))
+        seq.cumulative_logprob += lp[0]
+
+    def _record_prompt_logprobs(self, rows: list[tuple[float, int, list[tuple[int, float]]]],
+                                owners: list[tuple[Request, int]]) -> None:
+        """Each owner's rows, in order, as its next prompt positions' entries (a request that was
+        aborted meanwhile drops its rows)."""
+        at = 0
+        for request, count in owners:
+            if self.requests.get(request.request_id) is request and request.prompt_logprobs is not None:
+                entries = request.prompt_logprobs
+                for lp in rows[at:at + count]:
+                    entries.append(self._logprob_entry(request.prompt_token_ids[len(entries)], lp))
+            at += count
+
+    def _logprob_entry(self, token: int, lp: tuple[float, int, list[tuple[int, float]]]) -> dict[int, Logprob]:
+        """{token: its Logprob, then the top alternatives'} (the token keeps its own rank)."""
         value, rank, top = lp
         decode = self.tokenizer.convert_id if self.detokenize and self.tokenizer else (lambda _t: None)
         entry = {token: Logprob(value, rank, decode(token))}
         for r, (tid, tlp) in enumerate(top, start=1):
             entry.setdefault(tid, Logprob(tlp, r, decode(tid)))
-        seq.logprobs.append(entry)
-        seq.cumulative_logprob += value
+        return entry
 
     # the engine core replaces it on its engine (core.py): it reads the requests themselves
     make_output = staticmethod(request_output)

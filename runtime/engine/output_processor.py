@@ -50,6 +50,8 @@ class OutputProcessor:
         if request is None:
             return None, []
         stopped: list[int] = []
+        if delta.prompt_logprobs and request.prompt_logprobs is not None:
+            request.prompt_logprobs.extend(self._entry(entries) for entries in delta.prompt_logprobs)
         for d in delta.seqs:
             seq = request.seqs[d.index]
             if seq.is_finished:  # ended here at a stop string; the core ran on meanwhile
@@ -86,7 +88,9 @@ class OutputProcessor:
         return request_output(request), stopped
 
     def _record_logprobs(self, seq: Sequence, entries: list[tuple[int, float, int]]) -> None:
-        decode = self.tokenizer.convert_id if self.tokenizer is not None else (lambda _t: None)
-        entry = {tid: Logprob(value, rank, decode(tid)) for tid, value, rank in entries}
-        seq.logprobs.append(entry)
+        seq.logprobs.append(self._entry(entries))
         seq.cumulative_logprob += entries[0][1]
+
+    def _entry(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
+        decode = self.tokenizer.convert_id if self.tokenizer is not None else (lambda _t: None)
+        return {tid: Logprob(value, rank, decode(tid)) for tid, value, rank in entries}

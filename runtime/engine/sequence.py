@@ -14,6 +14,11 @@ device still runs, counted in `num_tokens` (so the scheduler runs the sequence o
 `token_ids`, which only ever holds known tokens. The next step's inputs take a pending token
 straight from the device (`pending_sample`: its row in the latest step's samples).
 
+A request that asks for prompt logprobs has them computed once, by its first sample's prefill
+(`needs_prompt_logits`): that sample takes nothing from the prefix cache until every prompt
+position has been scheduled, and positions scheduled once (before a recompute preemption, say)
+are not scheduled again.
+
 A request's *tenant* is whom it is served for (policies.py: the `fair` policy shares the engine
 between tenants); requests that name none share `DEFAULT_TENANT`.
 """
@@ -24,7 +29,13 @@ import enum
 from collections.abc import Iterator
 from dataclasses import KW_ONLY, InitVar, dataclass, field
 
-from kvpilot.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvpilot.runtime.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from kvpilot.runtime.sampling_params import SamplingParams
 
 
@@ -95,6 +106,15 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether later steps must compute logits at some of its prompt positions: the request
+        asks for prompt logprobs, this is its first sample, and position `num_prompt_tokens - 2`
+        (the last that predicts a prompt token) has not been scheduled yet."""
+        request = self.request
+        return (request.prompt_logprobs is not None and self.index == 0
+                and request.prompt_logprob_cursor < self.num_prompt_tokens - 1)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -110,11 +130,16 @@ class Request:
     tenant: str = DEFAULT_TENANT
     seqs: list[Sequence] = field(init=False)
     metrics: RequestMetrics = field(init=False)
+    # prompt logprobs asked: the entries so far (the first prompt token's is None), and the next
+    # prompt position whose logits no step has been given yet
+    prompt_logprobs: PromptLogprobs | None = field(init=False)
+    prompt_logprob_cursor: int = field(init=False, default=0)
     _: KW_ONLY
     seq_ids: InitVar[Iterator[int]]  # the engine's sequence numbering
 
     def __post_init__(self, seq_ids: Iterator[int]) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.prompt_logprobs = None if self.params.prompt_logprobs is None else [None]
         self.seqs = [
             Sequence(request=self, index=i, token_ids=list(self.prompt_token_ids),
                      num_prompt_tokens=len(self.prompt_token_ids), seq_id=next(seq_ids))
@@ -194,4 +219,4 @@ def request_output(request: Request) -> RequestOutput:
         if seq.num_cached_tokens > num_cached_tokens:
             num_cached_tokens = seq.num_cached_tokens
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                         request.is_finished, request.metrics, num_cached_tokens)
+                         request.is_finished, request.metrics, num_cached_tokens, request.prompt_logprobs)

@@ -36,6 +36,8 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, eos_token_
                 input_ids.append(PENDING)
             positions.extend(range(start, end))
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        if seq.needs_prompt_logits:
+            _add_prompt_logprob_rows(inputs, seq, start, end, num_rows)
         inputs.block_tables.append(table)
         inputs.seq_lens.append(start + s.num_new_tokens)
         num_rows += s.num_new_tokens
@@ -44,6 +46,20 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, eos_token_
             inputs.logits_rows.append(num_rows - 1)
             inputs.sampling_rows.append(sampling_row(seq, eos_token_ids))
     return inputs
+
+
+def _add_prompt_logprob_rows(inputs: StepInputs, seq: Sequence, start: int, end: int, first_row: int) -> None:
+    """Rows for the prompt positions of `start:end` that predict a prompt token and were never
+    scheduled for it; the request's cursor moves past them."""
+    request = seq.request
+    begin, stop = max(start, request.prompt_logprob_cursor), min(end, seq.num_prompt_tokens - 1)
+    if begin >= stop:
+        return
+    inputs.prompt_logprob_rows.extend(range(first_row + begin - start, first_row + stop - start))
+    inputs.prompt_logprob_targets.extend(seq.token_ids[begin + 1:stop + 1])
+    inputs.prompt_logprob_k = max(inputs.prompt_logprob_k, request.params.prompt_logprobs or 0)
+    inputs.prompt_logprob_owners.append((request.request_id, stop - begin))
+    request.prompt_logprob_cursor = stop
 
 
 def sampling_row(seq: Sequence, eos_token_ids: frozenset[int]) -> SamplingRow:

@@ -9,6 +9,11 @@ sequence with one new token is a *decode*, one with more a *prefill* (or a chunk
 sequences whose chunk reaches their last token produce logits (`logits_rows`) and sample (their
 `sampling_rows`, in the same order).
 
+A request that asks for prompt logprobs also has logits computed at the prompt positions its
+chunk covers (`prompt_logprob_rows`), each scored against the prompt token that follows
+(`prompt_logprob_targets`), with the top `prompt_logprob_k`; `prompt_logprob_owners` says whose
+they are, in order: (request id, how many rows).
+
 With async scheduling a token may be *pending*: sampled by the previous step, still on the
 device. Its row of `input_ids` holds a placeholder (-1) and is listed in `pending_rows`, beside
 the previous step's sample row that holds the token (`pending_samples`); the runner fills it on the
@@ -51,6 +56,10 @@ class StepInputs:
     finished_seq_ids: list[int] = field(default_factory=list)
     pending_rows: list[int] = field(default_factory=list)  # rows whose token the previous step sampled
     pending_samples: list[int] = field(default_factory=list)  # each one's row in that step's samples
+    prompt_logprob_rows: list[int] = field(default_factory=list)
+    prompt_logprob_targets: list[int] = field(default_factory=list)  # the prompt token each row predicts
+    prompt_logprob_k: int = 0  # top alternatives per row: the widest ask of the step
+    prompt_logprob_owners: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

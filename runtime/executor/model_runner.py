@@ -26,7 +26,12 @@ from kvpilot.runtime.executor.kv_cache import KVCacheLayout
 from kvpilot.runtime.executor.loader import load_model, resolve_dtype
 from kvpilot.runtime.executor.models.llama import cos_sin_cache
 from kvpilot.runtime.executor.parallel import TPInfo
-from kvpilot.runtime.executor.sampler import DeviceSample, sample_on_device
+from kvpilot.runtime.executor.sampler import (
+    DevicePromptLogprobs,
+    DeviceSample,
+    sample_on_device,
+    score_prompt,
+)
 from kvpilot.runtime.executor.swap import MAX_STAGING_BYTES, SwapSpace, SwapStats
 
 logger = logging.getLogger(__name__)
@@ -264,8 +269,10 @@ class ModelRunner:
         assert self.swap_space is not None
         return self.swap_space.take_stats()
 
-    def _run(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Forward pass on this rank; logits (num_logits_rows, vocab) or None when nothing samples."""
+    def _run(self, inputs: StepInputs) -> tuple[torch.Tensor | None, DevicePromptLogprobs | None]:
+        """Forward pass on this rank: logits (num_logits_rows, vocab), None when nothing samples,
+        and the prompt logprobs the step's inputs ask for (inputs.py), None when none (and on
+        tensor-parallel followers)."""
         if self.swap_space is not None:
             self.swap_space.before_forward()  # blocks swapped in by earlier steps are resident
         hidden = None
@@ -276,29 +283,36 @@ class ModelRunner:
             fill_pending(input_ids, inputs, self._sampled)
             plan = self.ops.plan(meta, positions, self.rope, self.block_size)
             hidden = self.model(input_ids, self.kv_caches, plan, self.ops)
+        prompt = None
+        if inputs.prompt_logprob_rows:
+            rows = to_device(inputs.prompt_logprob_rows, torch.long, self.device)
+            targets = to_device(inputs.prompt_logprob_targets, torch.long, self.device)
+            prompt = score_prompt(self.model.compute_logits, hidden[rows], targets, inputs.prompt_logprob_k,
+                                  self.model_config.vocab_size, keep=self.tp.rank == 0)
         if not inputs.logits_rows:
-            return None
+            return None, prompt
         if len(inputs.logits_rows) == hidden.shape[0]:  # every row samples (the rows ascend): decodes
-            return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden), prompt
         rows = to_device(inputs.logits_rows, torch.long, self.device)
-        return self.model.compute_logits(hidden[rows])
+        return self.model.compute_logits(hidden[rows]), prompt
 
     @torch.inference_mode()
-    def launch(self, inputs: StepInputs) -> DeviceSample | None:
+    def launch(self, inputs: StepInputs) -> tuple[DeviceSample | None, DevicePromptLogprobs | None]:
         """Queue one step and its sampling (a token for each sampling row, in order) on the device
         without waiting for either (on a GPU): the host may prepare the next step meanwhile, whose
-        pending tokens (inputs.py) come from this step's samples. None when nothing samples."""
+        pending tokens (inputs.py) come from this step's samples. The samples (None when nothing
+        samples) and the prompt logprobs the inputs ask for (None when none)."""
         for seq_id in inputs.finished_seq_ids:
             self._generators.pop(seq_id, None)
         if self.tp.size > 1:  # the other ranks need only the model's inputs
             self.tp.broadcast(("step", dataclasses.replace(inputs, sampling_rows=[], finished_seq_ids=[])))
-        logits = self._run(inputs)
+        logits, prompt = self._run(inputs)
         sampled = None
         if logits is not None:
             rows = inputs.sampling_rows
             sampled = sample_on_device(logits, rows, [self._generator(row) for row in rows])
         self._sampled = sampled.token_ids if sampled is not None else None
-        return sampled
+        return sampled, prompt
 
     def _generator(self, row: SamplingRow) -> torch.Generator | None:
         """A seeded sequence's generator, made on its first sample: its draws then depend only on

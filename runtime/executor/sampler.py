@@ -6,6 +6,10 @@ seeded sequence draw its noise from its own generator, so its tokens do not depe
 is in the batch. Logprobs are those of the model's raw distribution (before penalties and
 temperature), as vLLM reports them.
 
+Prompt logprobs (`score_prompt`) score prompt positions instead: each row's logits against the
+prompt token that follows it, with the same rank and top alternatives, over the rows in slices so
+that a long prompt's logits never occupy more than `PROMPT_LOGITS_BYTES` at once.
+
 Everything stays on the device until one copy brings the step's results to the host: the sampled
 tokens and, for rows that asked, each one's logprob, rank and top alternatives, packed into one
 float64 tensor (token ids are exact in float64). A filter's switches come from the host-side
@@ -16,12 +20,15 @@ next step while this one runs (`sample_on_device`, `DeviceSample`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvpilot.runtime.executor.batch import to_device
 from kvpilot.runtime.executor.inputs import SamplingRow
+
+PROMPT_LOGITS_BYTES = 1 << 28  # float32 logits of one slice of prompt rows
 
 
 @dataclass
@@ -154,6 +161,42 @@ class DeviceSample:
             top = [(int(t), v) for t, v in zip(row_values[2 + k:2 + k + want], row_values[2:2 + want], strict=True)]
             logprobs[i] = (row_values[0], int(row_values[1]), top)
         return SampleResult(token_ids=token_ids, logprobs=logprobs)
+
+
+def score_prompt(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                 targets: torch.Tensor, k: int, vocab_size: int, keep: bool = True) -> DevicePromptLogprobs | None:
+    """Each row of `hidden` (prompt positions) scored against `targets` (the prompt token after
+    each): its logprob under the model's raw distribution, its rank, and the top `k`, queued to the
+    host like a sample. `keep=False` (tensor-parallel followers) only takes part in the logits'
+    collectives."""
+    step = max(1, PROMPT_LOGITS_BYTES // (4 * vocab_size))
+    parts = []
+    for begin in range(0, hidden.shape[0], step):
+        logits = compute_logits(hidden[begin:begin + step])
+        if not keep:
+            continue
+        lp = logits.log_softmax(dim=-1, dtype=torch.float32)
+        token_lp = lp.gather(1, targets[begin:begin + step, None])
+        rank = (lp > token_lp).sum(dim=1, keepdim=True) + 1
+        vals, ids = lp.topk(k, dim=1)
+        parts.append(torch.cat([token_lp.double(), rank.double(), vals.double(), ids.double()], dim=1))
+    return DevicePromptLogprobs(torch.cat(parts), k) if keep else None
+
+
+class DevicePromptLogprobs:
+    """A step's prompt logprobs on their way to the host (one queued copy, as `DeviceSample`)."""
+
+    def __init__(self, packed: torch.Tensor, k: int) -> None:
+        self._k = k
+        self._host, self._ready = to_host(packed)
+
+    def result(self) -> list[tuple[float, int, list[tuple[int, float]]]]:
+        """Per row: (the prompt token's logprob, its rank, the top k [(token id, logprob)])."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        k = self._k
+        return [(row[0], int(row[1]), [(int(t), v) for t, v in zip(row[2 + k:], row[2:2 + k], strict=True)])
+                for row in self._host.tolist()]
 
 
 def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

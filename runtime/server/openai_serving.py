@@ -4,7 +4,9 @@ Both endpoints share one flow: check the model, convert the body to `SamplingPar
 request (errors become `APIError`s, so a client gets a 400/429 before any stream starts), then
 either collect the final output or stream SSE chunks. A completions request with several prompts
 is one engine request a prompt, admitted all or none; its choices are numbered prompt by prompt
-(prompt i's sample j is choice i * n + j), as OpenAI numbers them. The engine's texts are cumulative and
+(prompt i's sample j is choice i * n + j), as OpenAI numbers them. With `echo` a completion's
+first chunk (or its whole text) starts with the prompt, and its logprobs with the prompt's; with
+`max_tokens: 0` as well, the one token the engine generates is left out of the response. The engine's texts are cumulative and
 never shrink, so a stream's delta is `text[len(sent):]`. A client that goes away, or a stream
 that is cancelled, aborts its request, which frees its KV blocks before the next step.
 """
@@ -31,12 +33,13 @@ from kvpilot.runtime.engine.async_engine import (
 from kvpilot.runtime.engine.sequence import DEFAULT_TENANT
 from kvpilot.runtime.engine.tokenizer import Tokenizer
 from kvpilot.runtime.errors import RequestError
-from kvpilot.runtime.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from kvpilot.runtime.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
-# choices of one chunk/response, built from one completion and the number of tokens already sent
-ChoiceBuilder = Callable[[CompletionOutput, int, int], dict[str, Any]]
+# a choice of one chunk/response, built from its request's output, one completion (numbered as a
+# choice) and the numbers of characters and tokens of it already sent
+ChoiceBuilder = Callable[[RequestOutput, CompletionOutput, int, int], dict[str, Any]]
 
 
 class OpenAIServing:
@@ -71,7 +74,8 @@ class OpenAIServing:
         top = body.top_logprobs or 0
         return await self._serve(request_id, [prompt], params, body.priority, raw, body.stream, body.include_usage,
                                  body.stream_options is not None and body.stream_options.continuous_usage_stats,
-                                 "chat.completion", lambda c, chars, tokens: self._chat_choice(c, chars, tokens, top, body.stream),
+                                 "chat.completion",
+                                 lambda _out, c, chars, tokens: self._chat_choice(c, chars, tokens, top, body.stream),
                                  tenant=tenant)
 
     async def completions(self, body: CompletionRequest, raw: Request, tenant: str = DEFAULT_TENANT) -> Response:
@@ -79,9 +83,16 @@ class OpenAIServing:
         params = _to_params(body.to_sampling_params)
         prompts = _to_params(body.prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        echoes = [self._prompt_text(p) for p in prompts] if body.echo else None
+        echo_logprobs = body.logprobs if body.echo else None
+
+        def choice(out: RequestOutput, c: CompletionOutput, chars: int, tokens: int) -> dict[str, Any]:
+            echo = echoes[c.index // params.n] if echoes is not None and chars == tokens == 0 else None
+            return self._completion_choice(out, c, chars, tokens, echo, echo_logprobs, body.prompt_logprobs)
+
         return await self._serve(request_id, prompts, params, body.priority, raw, body.stream, body.include_usage,
                                  body.stream_options is not None and body.stream_options.continuous_usage_stats,
-                                 "text_completion", self._completion_choice, tenant=tenant)
+                                 "text_completion", choice, tenant=tenant, prompt_only=body.prompt_only)
 
     # ---- the shared flow -------------------------------------------------------------------
 
@@ -92,24 +103,27 @@ class OpenAIServing:
 
     async def _serve(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int,
                      raw: Request, stream: bool, include_usage: bool, continuous_usage: bool, kind: str,
-                     choice: ChoiceBuilder, tenant: str = DEFAULT_TENANT) -> Response:
+                     choice: ChoiceBuilder, tenant: str = DEFAULT_TENANT, prompt_only: bool = False) -> Response:
         refusal = self.unavailable()
         if refusal is not None:
             raise refusal
         prompts = [self._within_limits(prompt, params) for prompt in prompts]
         streams = await self._admit_all(request_id, prompts, params, priority, tenant)
         created = int(time.time())
+        view = _without_generated if prompt_only else None
         if stream:
             chunks = self._stream(request_id, streams, params.n, created, kind, choice, include_usage,
-                                  continuous_usage)
+                                  continuous_usage, view)
             return StreamingResponse(chunks, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         finals = await self._collect(streams, raw)
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
+        if view is not None:
+            finals = [view(final) for final in finals]
         return JSONResponse({
             "id": request_id, "object": kind, "created": created, "model": self.model_name,
-            "choices": [choice(_numbered(c, i * params.n), 0, 0) for i, final in enumerate(finals)
+            "choices": [choice(final, _numbered(c, i * params.n), 0, 0) for i, final in enumerate(finals)
                         for c in final.outputs],
             "usage": _usage(finals),
         })
@@ -194,7 +208,8 @@ class OpenAIServing:
             raise APIError(500, str(e), type="internal_error", code="engine_dead") from None
 
     async def _stream(self, request_id: str, streams: list[RequestStream], n: int, created: int, kind: str,
-                      choice: ChoiceBuilder, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
+                      choice: ChoiceBuilder, include_usage: bool, continuous_usage: bool,
+                      view: Callable[[RequestOutput], RequestOutput] | None = None) -> AsyncIterator[str]:
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
 
         def event(choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
@@ -210,6 +225,8 @@ class OpenAIServing:
         last: dict[int, RequestOutput] = {}  # each prompt's latest output
         try:
             async for i, out in _merged(streams):
+                if view is not None:
+                    out = view(out)
                 last[i] = out
                 choices = []
                 for c in out.outputs:
@@ -224,7 +241,7 @@ class OpenAIServing:
                     if len(c.text) == sent_chars[c.index] and len(c.token_ids) == sent_tokens[c.index] \
                             and not c.finished:
                         continue
-                    choices.append(choice(c, sent_chars[c.index], sent_tokens[c.index]))
+                    choices.append(choice(out, c, sent_chars[c.index], sent_tokens[c.index]))
                     sent_chars[c.index] = len(c.text)
                     sent_tokens[c.index] = -1 if c.finished else len(c.token_ids)
                 if choices:
@@ -263,24 +280,56 @@ class OpenAIServing:
                 "top_logprobs": [{"token": (t := self._token_text(tid)), "logprob": _finite(lp.logprob),
                                   "bytes": list(t.encode())} for tid, lp in ranked]}
 
-    def _completion_choice(self, c: CompletionOutput, sent_chars: int, sent_tokens: int) -> dict[str, Any]:
+    def _completion_choice(self, out: RequestOutput, c: CompletionOutput, sent_chars: int, sent_tokens: int,
+                           echo: str | None = None, echo_logprobs: int | None = None,
+                           prompt_logprobs: int | None = None) -> dict[str, Any]:
+        """`echo`: the prompt's text, in a completion's first choice only (with its logprobs, the
+        first token's null, when `echo_logprobs` is set); `prompt_logprobs` (vLLM's field), in
+        the first choice too."""
+        first = sent_chars == sent_tokens == 0
+        offset = sent_chars + (len(echo) if echo is not None else 0)
         logprobs = None
         if c.logprobs is not None:
-            logprobs = self._completion_logprobs(c.token_ids[sent_tokens:], c.logprobs[sent_tokens:], sent_chars)
-        return {"index": c.index, "text": c.text[sent_chars:], "logprobs": logprobs,
+            logprobs = self._completion_logprobs(c.token_ids[sent_tokens:], c.logprobs[sent_tokens:], offset)
+        if echo is not None and echo_logprobs is not None and out.prompt_logprobs is not None:
+            prompt = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, echo_logprobs)
+            logprobs = prompt if logprobs is None else {key: prompt[key] + logprobs[key] for key in prompt}
+        body = {"index": c.index, "text": (echo or "") + c.text[sent_chars:], "logprobs": logprobs,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if prompt_logprobs is not None and first:
+            body["prompt_logprobs"] = [None if entry is None else {
+                str(tid): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": self._token_text(tid)}
+                for tid, lp in entry.items() if tid == token or lp.rank <= prompt_logprobs}
+                for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=False)]
+        return body
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs, offset: int) -> dict[str, Any]:
+    def _completion_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | PromptLogprobs, offset: int,
+                             top: int | None = None) -> dict[str, Any]:
+        """OpenAI's legacy logprobs of `token_ids` (an entry of None, the prompt's first token, is
+        null); each top list holds the token and the alternatives ranked up to `top` (all: None)."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, entry in zip(token_ids, logprobs, strict=False):
             token = self._token_text(token_id)
             tokens.append(token)
-            token_logprobs.append(_finite(entry[token_id].logprob))
-            tops.append({self._token_text(t): _finite(lp.logprob) for t, lp in
-                         sorted(entry.items(), key=lambda kv: kv[1].rank)})
             offsets.append(offset)
             offset += len(token)
+            if entry is None:
+                token_logprobs.append(None)
+                tops.append(None)
+                continue
+            token_logprobs.append(_finite(entry[token_id].logprob))
+            tops.append({self._token_text(t): _finite(lp.logprob) for t, lp in
+                         sorted(entry.items(), key=lambda kv: kv[1].rank)
+                         if top is None or t == token_id or lp.rank <= top})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        """What `echo` shows of a prompt: its text as sent, or its token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is None:
+            return "".join(self._token_text(t) for t in prompt)
+        return self.tokenizer.decode(prompt, skip_special_tokens=False)
 
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -319,6 +368,14 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
     finally:
         for task in pumps:
             task.cancel()
+
+
+def _without_generated(out: RequestOutput) -> RequestOutput:
+    """`out` with its completions' tokens left out (`echo` with `max_tokens: 0`: the engine ran one)."""
+    return dataclasses.replace(out, outputs=[
+        dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                            cumulative_logprob=None if c.cumulative_logprob is None else 0.0)
+        for c in out.outputs])
 
 
 def _numbered(c: CompletionOutput, offset: int) -> CompletionOutput:

@@ -4,8 +4,12 @@ Fields follow OpenAI's API plus vLLM's extra sampling fields (`top_k`, `min_p`,
 `repetition_penalty`, ...). Unknown fields are ignored, as OpenAI clients send `extra_body`
 freely; wrong types are rejected (the server turns pydantic's errors into a 400). OpenAI fields
 that change what a client gets back and that this server cannot honour (tool calls, a JSON
-response format, `logit_bias`, `echo`, `suffix`) are refused with a 400 naming the field, never
-ignored: a client relying on them would otherwise take plain text for their result.
+response format, `logit_bias`, `suffix`) are refused with a 400 naming the field, never ignored:
+a client relying on them would otherwise take plain text for their result.
+
+Completions take `echo` (the prompt before the completion, and with `logprobs` the prompt's
+logprobs too, the first token's null: what log-likelihood evaluations send, often with
+`max_tokens: 0`, which echo alone allows) and vLLM's `prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ class _SamplingFields(BaseModel):
     priority: int = 0
     logit_bias: dict[str, float] | None = None
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError naming the field for values out of range."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
@@ -86,6 +91,7 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -157,17 +163,28 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
     suffix: str | None = None
     best_of: int | None = None
 
+    @property
+    def prompt_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt (and its logprobs) back, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise ValueError("echo: is not supported")
         if self.suffix:
             raise ValueError("suffix: is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: is not supported (must equal n)")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: must be at least 1 (0 only with echo, which returns the prompt)")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs: must be between 0 and 20 (got {self.prompt_logprobs})")
+        asks = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        # the engine generates one token for max_tokens 0, which the response leaves out
+        max_tokens = 1 if self.prompt_only else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, max(asks) if asks else None)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, each a string or a list of token ids: OpenAI's `prompt` is

@@ -10,7 +10,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 from server_harness import RunningServer, start_server
+from transformers import AutoTokenizer
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -166,6 +168,71 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     assert lp is not None and len(lp.tokens or []) == 3 and len(lp.token_logprobs or []) == 3
     assert "".join(lp.tokens or []) == reply.choices[0].text
     assert all(len(top) == 2 for top in lp.top_logprobs or [])
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_as_hf_does(client: openai.OpenAI, smol_folder: str,
+                                                            smol_hf: Any) -> None:
+    """What log-likelihood evaluations send: the prompt back with each token's logprob under the
+    model (the first token's null), nothing generated."""
+    prompt = "The capital of France is Paris"
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = reply.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 0 and reply.usage.prompt_tokens == 6
+    lp = choice.logprobs
+    assert lp is not None and "".join(lp.tokens or []) == prompt
+    assert lp.token_logprobs is not None and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(len(t) for t in (lp.tokens or [])[:i]) for i in range(6)]
+    ids = AutoTokenizer.from_pretrained(smol_folder)(prompt).input_ids
+    with torch.no_grad():
+        ref = smol_hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    for i in range(1, 6):
+        assert lp.token_logprobs[i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=2e-3)
+        top = lp.top_logprobs[i]  # the prompt's token and the most likely one
+        assert max(top.values()) == pytest.approx(ref[i - 1].max().item(), abs=2e-3)
+        assert lp.tokens[i] in top
+    # " Paris" after "The capital of France is" is the model's own first choice
+    assert lp.token_logprobs[5] == pytest.approx(max(lp.top_logprobs[5].values()))
+
+
+def test_echo_puts_the_prompt_before_the_completion_and_its_logprobs(client: openai.OpenAI, smol_folder: str) -> None:
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=2, temperature=0)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=2, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    lp, base = echoed.choices[0].logprobs, plain.choices[0].logprobs
+    assert lp is not None and base is not None
+    assert len(lp.tokens or []) == 5 + 3
+    assert lp.tokens[5:] == base.tokens and lp.token_logprobs[5:] == base.token_logprobs
+    assert lp.text_offset[5:] == [o + len(prompt) for o in base.text_offset or []]
+    assert echoed.usage is not None and echoed.usage.completion_tokens == 3
+    # streamed: the first chunk starts with the prompt; the chunks add up to the same text
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                            stream=True))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts[0].startswith(prompt) and "".join(texts) == echoed.choices[0].text
+    # several prompts, one as token ids: each choice echoes its own prompt
+    ids = AutoTokenizer.from_pretrained(smol_folder)(prompt).input_ids
+    two = client.completions.create(model=MODEL, prompt=[ids[:2], ids], max_tokens=1, echo=True, temperature=0)
+    assert two.choices[0].text.startswith("The capital") and not two.choices[0].text.startswith(prompt)
+    assert two.choices[1].text.startswith(prompt) and two.usage is not None and two.usage.prompt_tokens == 7
+
+
+def test_prompt_logprobs_field_lists_each_prompt_token(server: RunningServer) -> None:
+    """vLLM's `prompt_logprobs`: per prompt token, None first, then {token id: logprob, rank, text}."""
+    body = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    choice = _post(server, "/v1/completions", body).json()["choices"][0]
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == 5 and entries[0] is None
+    for entry in entries[1:]:
+        assert 2 <= len(entry) <= 3  # the prompt's token, and the top 2
+        assert {e["rank"] for e in entry.values()} >= {1, 2}
+        assert all(isinstance(e["decoded_token"], str) and e["logprob"] <= 0 for e in entry.values())
+    assert "prompt_logprobs" not in _post(server, "/v1/completions", {**body, "prompt_logprobs": None}).json()["choices"][0]
+    error = _error(_post(server, "/v1/completions", {**body, "prompt_logprobs": 21}), 400)
+    assert error["param"] == "prompt_logprobs"
+    error = _error(_post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 0}), 400)
+    assert error["param"] == "max_tokens" and "echo" in error["message"]
 
 
 # ---- streaming -------------------------------------------------------------------------------
