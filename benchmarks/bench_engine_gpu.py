@@ -9,6 +9,10 @@ step N: engine.py) and without, switched in the same engine. A step's time is th
 `step()` returns, with no synchronisation added, so under async scheduling it is the pipeline's
 period.
 
+Each row also gives the GPU's median SM clock and power draw over its counted steps (sampled by
+`nvidia-smi` every 100 ms; null where it is not installed): at batch 256 an H200 runs into its
+power limit, and its clock, not the kernels, then sets the GEMMs' time.
+
 Usage (GPU): PYTHONSAFEPATH=1 python3 benchmarks/bench_engine_gpu.py [--batches 1 32 128 256] [--out FILE]
                  [--enforce-eager]  (an engine without graphs: eager rows only)
                  [--async-scheduling both|on|off]  (default both)
@@ -18,9 +22,13 @@ Usage (GPU): PYTHONSAFEPATH=1 python3 benchmarks/bench_engine_gpu.py [--batches 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import random
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +52,42 @@ def copy_rate() -> float:
     return 4 * (1 << 29) / (ms * 1e-3)
 
 
+class ClockLog:
+    """`nvidia-smi` sampling the SM clock and power draw every 100 ms into a file, for the medians
+    over a window of wall-clock time (`window`)."""
+
+    def __init__(self) -> None:
+        self._file = tempfile.NamedTemporaryFile("w+", suffix=".csv")
+        self._proc = None
+        if shutil.which("nvidia-smi"):
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                 "-lms", "100"], stdout=self._file, stderr=subprocess.DEVNULL)
+
+    def window(self, begin: float, end: float) -> dict[str, float | None]:
+        """Median SM clock (MHz) and power (W) of the samples between two `time.time()` readings."""
+        clocks, watts = [], []
+        if self._proc is not None:
+            self._file.flush()
+            for line in Path(self._file.name).read_text().splitlines():
+                stamp, clock, power = (part.strip() for part in line.split(","))
+                try:
+                    at = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                    if begin <= at <= end:
+                        clocks.append(float(clock))
+                        watts.append(float(power))
+                except ValueError:  # a partly written line
+                    continue
+        return {"sm_clock_mhz": statistics.median(clocks) if clocks else None,
+                "power_w": statistics.median(watts) if watts else None}
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+        self._file.close()
+
+
 def throughput(batches: list[int], rate: float, enforce_eager: bool = False,
                async_modes: tuple[bool, ...] = (True, False)) -> list[dict[str, float | str | bool]]:
     """Each batch size runs in the same engine with the decode graphs, under each of `async_modes`,
@@ -61,6 +105,7 @@ def throughput(batches: list[int], rate: float, enforce_eager: bool = False,
     kv_per_token = runner.bytes_per_block // llm.engine.config.cache.block_size
     graphs = runner.graphs
     forward_ms = timed_forward(runner)
+    clock = ClockLog()
     rows = []
     for batch in batches:
         # one decode step reads every weight and, on average, half the generated context's KV once
@@ -71,11 +116,12 @@ def throughput(batches: list[int], rate: float, enforce_eager: bool = False,
             runner.graphs = graphs if mode == "graphs" else None
             llm.engine.async_scheduling = overlap  # between steps, with nothing in flight
             prompts = [[rng.randrange(1000, 100000) for _ in range(PROMPT_LEN)] for _ in range(batch)]
-            row = decode_steps(llm, prompts, forward_ms, f"{mode}-{overlap}-{batch}")
+            row = decode_steps(llm, prompts, forward_ms, f"{mode}-{overlap}-{batch}", clock)
             rows.append({"batch": batch, "mode": mode, "async_scheduling": overlap, **row, "floor_ms": floor * 1e3,
                          "of_floor": floor * 1e3 / row["decode_step_ms"]})
             print(json.dumps(rows[-1]), flush=True)
     runner.graphs = graphs
+    clock.close()
     return rows
 
 
@@ -101,7 +147,8 @@ def timed_forward(runner: ModelRunner) -> list[Span]:
     return spans
 
 
-def decode_steps(llm: LLM, prompts: list[list[int]], forward_spans: list[Span], tag: str) -> dict[str, float]:
+def decode_steps(llm: LLM, prompts: list[list[int]], forward_spans: list[Span], tag: str,
+                 clock: ClockLog) -> dict[str, float | None]:
     """Run the prompts to NEW_TOKENS tokens each; output tok/s over the whole run, and the median
     step time (between two `step()` returns) and forward time of the steps that decode the whole
     batch."""
@@ -111,6 +158,7 @@ def decode_steps(llm: LLM, prompts: list[list[int]], forward_spans: list[Span], 
         engine.add_request(f"{tag}-{i}", p, params)
     steps: list[float] = []
     kept: list[Span] = []
+    counted: list[float] = []  # wall-clock times of the counted steps' ends
     torch.cuda.synchronize()
     start = last = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -123,12 +171,14 @@ def decode_steps(llm: LLM, prompts: list[list[int]], forward_spans: list[Span], 
                 and stats.num_batched_tokens == batch):
             steps.append(now - last)
             kept.extend(forward_spans)
+            counted.append(time.time())
         last = now
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     step = statistics.median(steps)
     return {"output_tok_s": batch * NEW_TOKENS / elapsed, "decode_step_ms": step * 1e3,
-            "forward_ms": statistics.median(b.elapsed_time(e) for b, e in kept), "decode_tok_s": batch / step}
+            "forward_ms": statistics.median(b.elapsed_time(e) for b, e in kept), "decode_tok_s": batch / step,
+            **clock.window(counted[0] - step, counted[-1])}
 
 
 def main() -> None:

@@ -10,6 +10,11 @@ whether the output is identical, else the largest difference):
   linear      F.linear(x, W), W stored (out, in): what the engine runs (torch's default BLAS)
   cublaslt    the same call with torch.backends.cuda.preferred_blas_library("cublaslt")
   kn          x @ W_t with W_t stored (in, out) contiguous: the other operand layout
+  triton      a persistent Triton kernel reading both operands by TMA (one program per SM walking
+              the output tiles, the two row tiles of a weight tile back to back so it is read
+              once), tile shape autotuned per shape over a few configs
+  triton_k2   the same with the reduction split in two (float32 partials, then a sum kernel):
+              twice the work items for the shapes whose tiles do not fill the SMs
 
 At batch 256 the step's products are compute-bound (RESULTS: 6.08 ms for 3.8 TFLOP at context
 ~1,024); this says whether another library path or layout reaches more of the chip's rate.
@@ -26,6 +31,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LAYERS, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 32, 4096, 14336, 32, 8, 128, 128256
 SHAPES = {  # name: (in_features, out_features, launches a step)
@@ -35,7 +43,67 @@ SHAPES = {  # name: (in_features, out_features, launches a step)
     "down": (INTERMEDIATE, HIDDEN, LAYERS),
     "lm_head": (HIDDEN, VOCAB, 1),
 }
-VARIANTS = ("linear", "cublaslt", "kn")
+VARIANTS = ("linear", "cublaslt", "kn", "triton", "triton_k2")
+
+
+def _set_blocks(nargs: dict[str, object]) -> None:
+    """The autotuner's pre-hook: each descriptor's box is the tile shape of the config tried."""
+    bm, bn, bk = nargs["BM"], nargs["BN"], nargs["BK"]
+    nargs["x_desc"].block_shape = [bm, bk]  # type: ignore[attr-defined]
+    nargs["w_desc"].block_shape = [bn, bk]  # type: ignore[attr-defined]
+    nargs["y_desc"].block_shape = [bm, bn]  # type: ignore[attr-defined]
+
+
+TILES = [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 6, 4), (64, 256, 64, 4, 8),
+         (128, 64, 64, 6, 4), (128, 128, 128, 3, 8), (64, 64, 128, 6, 4), (128, 256, 64, 4, 8)]
+
+
+@triton.autotune(configs=[triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_stages=stages, num_warps=warps,
+                                        pre_hook=_set_blocks) for bm, bn, bk, stages, warps in TILES],
+                 key=["M", "N", "K", "SPLIT"])
+@triton.jit
+def _linear_kernel(x_desc, w_desc, y_desc, M, N, K, SPLIT: tl.constexpr, NUM_SMS: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    tiles_m = tl.cdiv(M, BM)
+    tiles = tiles_m * tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK) // SPLIT
+    for unit in range(tl.program_id(0), tiles * SPLIT, NUM_SMS):
+        part, tile = unit // tiles, unit % tiles
+        pid_m, pid_n = tile % tiles_m, tile // tiles_m  # row tiles of one weight tile run together
+        acc = tl.zeros((BM, BN), tl.float32)
+        for kk in range(k_tiles):
+            k = (part * k_tiles + kk) * BK
+            acc = tl.dot(x_desc.load([pid_m * BM, k]), w_desc.load([pid_n * BN, k]).T, acc)
+        if SPLIT == 1:
+            y_desc.store([pid_m * BM, pid_n * BN], acc.to(y_desc.dtype))
+        else:
+            y_desc.store([part * M + pid_m * BM, pid_n * BN], acc)
+
+
+@triton.jit
+def _sum_parts_kernel(parts, y, MN, SPLIT: tl.constexpr, B: tl.constexpr):
+    i = tl.program_id(0) * B + tl.arange(0, B)
+    mask = i < MN
+    acc = tl.load(parts + i, mask=mask)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(parts + s * MN + i, mask=mask)
+    tl.store(y + i, acc.to(y.dtype.element_ty), mask=mask)
+
+
+def triton_linear(x: torch.Tensor, w: torch.Tensor, split: int) -> Callable[[], torch.Tensor]:
+    """A launch of y = x W^T by `_linear_kernel` (split-K in `split` parts), its buffers made once."""
+    (m, k), n = x.shape, w.shape[0]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = y if split == 1 else torch.empty(split * m, n, dtype=torch.float32, device=x.device)
+    descs = [TensorDescriptor.from_tensor(t, [64, 64]) for t in (x, w, out)]
+
+    def launch() -> torch.Tensor:
+        _linear_kernel[(sms,)](*descs, m, n, k, SPLIT=split, NUM_SMS=sms)
+        if split > 1:
+            _sum_parts_kernel[(triton.cdiv(m * n, 4096),)](out, y, m * n, SPLIT=split, B=4096)
+        return y
+    return launch
 
 
 def graph_us(launches: list[Callable[[], torch.Tensor]], reps: int = 20) -> float:
@@ -72,6 +140,8 @@ def measure(batch: int, name: str, variant: str) -> dict[str, object]:
         transposed = [w.t().contiguous() for w in weights]
         del weights
         launches = [lambda w=w: x @ w for w in transposed]
+    elif variant.startswith("triton"):
+        launches = [triton_linear(x, w, 2 if variant == "triton_k2" else 1) for w in weights]
     else:
         launches = [lambda w=w: F.linear(x, w) for w in weights]
     previous = torch.backends.cuda.preferred_blas_library()
