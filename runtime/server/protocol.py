@@ -4,7 +4,7 @@ Fields follow OpenAI's API plus vLLM's extra sampling fields (`top_k`, `min_p`,
 `repetition_penalty`, ...). Unknown fields are ignored, as OpenAI clients send `extra_body`
 freely; wrong types are rejected (the server turns pydantic's errors into a 400). OpenAI fields
 that change what a client gets back and that this server cannot honour (tool calls, a JSON
-response format, `logit_bias`, `suffix`) are refused with a 400 naming the field, never ignored:
+response format, `logit_bias`, `suffix`, `prompt_logprobs` on chat) are refused with a 400 naming the field, never ignored:
 a client relying on them would otherwise take plain text for their result.
 
 Completions take `echo` (the prompt before the completion, and with `logprobs` the prompt's
@@ -141,10 +141,14 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None  # vLLM's; served by /v1/completions only
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: is not supported on chat completions; send the templated "
+                             "prompt to /v1/completions with prompt_logprobs (or echo and logprobs)")
         for field, choice in (("tools", self.tool_choice), ("functions", self.function_call)):
             if getattr(self, field) and choice != "none":
                 raise ValueError(f"{field}: tool calling is not supported by this server (it parses no tool calls "

@@ -113,6 +113,7 @@ TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
 ])
 def test_what_the_server_cannot_honour_is_400_not_ignored(client: openai.OpenAI, extra: dict[str, object],
                                                           param: str) -> None:
