@@ -4,8 +4,9 @@ Fields follow OpenAI's API plus vLLM's extra sampling fields (`top_k`, `min_p`,
 `repetition_penalty`, ...). Unknown fields are ignored, as OpenAI clients send `extra_body`
 freely; wrong types are rejected (the server turns pydantic's errors into a 400). OpenAI fields
 that change what a client gets back and that this server cannot honour (tool calls, a JSON
-response format, `logit_bias`, `suffix`, `prompt_logprobs` on chat) are refused with a 400 naming the field, never ignored:
-a client relying on them would otherwise take plain text for their result.
+response format, `logit_bias`, `suffix`, `prompt_logprobs` on chat) are refused with a 400
+naming the field, never ignored: a client relying on them would otherwise take plain text for
+their result.
 
 Completions take `echo` (the prompt before the completion, and with `logprobs` the prompt's
 logprobs too, the first token's null: what log-likelihood evaluations send, often with
