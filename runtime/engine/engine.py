@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Concatenate, ParamSpec, TypeVar
 
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine import logprobs
 from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.block_switch import (
     RelayoutReport,
@@ -53,7 +54,7 @@ from kvpilot.runtime.executor.inputs import StepInputs
 from kvpilot.runtime.executor.model_runner import ModelRunner
 from kvpilot.runtime.executor.sampler import DevicePromptLogprobs, DeviceSample, SampleResult
 from kvpilot.runtime.executor.worker import Workers
-from kvpilot.runtime.outputs import Logprob, RequestOutput
+from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -376,10 +377,11 @@ class LLMEngine:
         meanwhile (an earlier step's token, an abort) drops its token."""
         result = launched.sampled.result() if launched.sampled is not None else SampleResult([], [])
         if launched.prompt is not None:
-            self._record_prompt_logprobs(launched.prompt.result(), launched.prompt_owners)
+            logprobs.record_prompt(launched.prompt.result(), launched.prompt_owners,
+                                   lambda r: self.requests.get(r.request_id) is r, self._decode)
         now = time.time()
         touched: dict[str, Request] = {}
-        token_ids, logprobs = result.token_ids, result.logprobs
+        token_ids, rows = result.token_ids, result.logprobs
         tokenizer = self.tokenizer if self.detokenize else None
         sample_index = num_prompt_tokens = num_generated = 0
         for s in launched.sched.scheduled:
@@ -392,13 +394,13 @@ class LLMEngine:
                 continue
             num_generated += 1
             token = token_ids[i]
-            lp = logprobs[i]
+            lp = rows[i]
             seq.num_pending_tokens -= 1
             seq.token_ids.append(token)
             if len(seq.token_ids) - seq.num_prompt_tokens == 1:
                 num_prompt_tokens += seq.num_prompt_tokens
             if lp is not None:
-                self._record_logprobs(seq, token, lp)
+                logprobs.record_sample(seq, token, lp, self._decode)
             new_text = tokenizer.detokenize_step(seq) if tokenizer is not None else ""
             check_stop(seq, token, len(new_text), self.eos_token_ids, self.config.model.max_model_len)
             metrics = seq.request.metrics
@@ -418,30 +420,10 @@ class LLMEngine:
             outputs.append(self.make_output(request))
         return _Resolved(outputs, num_prompt_tokens, num_generated)
 
-    def _record_logprobs(self, seq: Sequence, token: int, lp: tuple[float, int, list[tuple[int, float]]]) -> None:
-        seq.logprobs.append(self._logprob_entry(token, lp))
-        seq.cumulative_logprob += lp[0]
-
-    def _record_prompt_logprobs(self, rows: list[tuple[float, int, list[tuple[int, float]]]],
-                                owners: list[tuple[Request, int]]) -> None:
-        """Each owner's rows, in order, as its next prompt positions' entries (a request that was
-        aborted meanwhile drops its rows)."""
-        at = 0
-        for request, count in owners:
-            if self.requests.get(request.request_id) is request and request.prompt_logprobs is not None:
-                entries = request.prompt_logprobs
-                for lp in rows[at:at + count]:
-                    entries.append(self._logprob_entry(request.prompt_token_ids[len(entries)], lp))
-            at += count
-
-    def _logprob_entry(self, token: int, lp: tuple[float, int, list[tuple[int, float]]]) -> dict[int, Logprob]:
-        """{token: its Logprob, then the top alternatives'} (the token keeps its own rank)."""
-        value, rank, top = lp
-        decode = self.tokenizer.convert_id if self.detokenize and self.tokenizer else (lambda _t: None)
-        entry = {token: Logprob(value, rank, decode(token))}
-        for r, (tid, tlp) in enumerate(top, start=1):
-            entry.setdefault(tid, Logprob(tlp, r, decode(tid)))
-        return entry
+    @property
+    def _decode(self) -> logprobs.Decode:
+        """A token's text for logprob entries; none where this engine does not detokenize."""
+        return self.tokenizer.convert_id if self.detokenize and self.tokenizer else logprobs.no_text
 
     # the engine core replaces it on its engine (core.py): it reads the requests themselves
     make_output = staticmethod(request_output)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 
+from kvpilot.runtime.engine import logprobs
 from kvpilot.runtime.engine.core import RequestDelta
 from kvpilot.runtime.engine.sequence import (
     Request,
@@ -23,7 +24,7 @@ from kvpilot.runtime.engine.sequence import (
     request_output,
 )
 from kvpilot.runtime.engine.tokenizer import Tokenizer
-from kvpilot.runtime.outputs import Logprob, RequestOutput
+from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 
 
@@ -51,7 +52,8 @@ class OutputProcessor:
             return None, []
         stopped: list[int] = []
         if delta.prompt_logprobs and request.prompt_logprobs is not None:
-            request.prompt_logprobs.extend(self._entry(entries) for entries in delta.prompt_logprobs)
+            decode = self._decode
+            request.prompt_logprobs.extend(logprobs.from_message(triples, decode) for triples in delta.prompt_logprobs)
         for d in delta.seqs:
             seq = request.seqs[d.index]
             if seq.is_finished:  # ended here at a stop string; the core ran on meanwhile
@@ -87,10 +89,10 @@ class OutputProcessor:
             del self.requests[request.request_id]
         return request_output(request), stopped
 
-    def _record_logprobs(self, seq: Sequence, entries: list[tuple[int, float, int]]) -> None:
-        seq.logprobs.append(self._entry(entries))
-        seq.cumulative_logprob += entries[0][1]
+    def _record_logprobs(self, seq: Sequence, triples: list[tuple[int, float, int]]) -> None:
+        seq.logprobs.append(logprobs.from_message(triples, self._decode))
+        seq.cumulative_logprob += triples[0][1]
 
-    def _entry(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
-        decode = self.tokenizer.convert_id if self.tokenizer is not None else (lambda _t: None)
-        return {tid: Logprob(value, rank, decode(tid)) for tid, value, rank in entries}
+    @property
+    def _decode(self) -> logprobs.Decode:
+        return self.tokenizer.convert_id if self.tokenizer is not None else logprobs.no_text
