@@ -53,7 +53,7 @@ class OutputProcessor:
         stopped: list[int] = []
         if delta.prompt_logprobs and request.prompt_logprobs is not None:
             decode = self._decode
-            request.prompt_logprobs.extend(logprobs.from_message(triples, decode) for triples in delta.prompt_logprobs)
+            request.prompt_logprobs += [logprobs.from_message(triples, decode) for triples in delta.prompt_logprobs]
         for d in delta.seqs:
             seq = request.seqs[d.index]
             if seq.is_finished:  # ended here at a stop string; the core ran on meanwhile

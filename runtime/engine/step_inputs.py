@@ -36,7 +36,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, eos_token_
                 input_ids.append(PENDING)
             positions.extend(range(start, end))
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        if seq.needs_prompt_logits:
+        if start < seq.num_prompt_tokens - 1 and seq.needs_prompt_logits:  # one comparison for decodes
             _add_prompt_logprob_rows(inputs, seq, start, end, num_rows)
         inputs.block_tables.append(table)
         inputs.seq_lens.append(start + s.num_new_tokens)

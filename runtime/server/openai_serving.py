@@ -4,11 +4,14 @@ Both endpoints share one flow: check the model, convert the body to `SamplingPar
 request (errors become `APIError`s, so a client gets a 400/429 before any stream starts), then
 either collect the final output or stream SSE chunks. A completions request with several prompts
 is one engine request a prompt, admitted all or none; its choices are numbered prompt by prompt
-(prompt i's sample j is choice i * n + j), as OpenAI numbers them. With `echo` a completion's
-first chunk (or its whole text) starts with the prompt, and its logprobs with the prompt's; with
-`max_tokens: 0` as well, the one token the engine generates is left out of the response. The engine's texts are cumulative and
-never shrink, so a stream's delta is `text[len(sent):]`. A client that goes away, or a stream
-that is cancelled, aborts its request, which frees its KV blocks before the next step.
+(prompt i's sample j is choice i * n + j), as OpenAI numbers them. The engine's texts are
+cumulative and never shrink, so a stream's delta is `text[len(sent):]`. A client that goes
+away, or a stream that is cancelled, aborts its request, which frees its KV blocks before the
+next step.
+
+With `echo` a completion's first chunk (or its whole text) starts with the prompt, and its
+logprobs with the prompt's; with `max_tokens: 0` as well, the one token the engine generates is
+left out of the response.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ class OpenAIServing:
         echo_logprobs = body.logprobs if body.echo else None
 
         def choice(out: RequestOutput, c: CompletionOutput, chars: int, tokens: int) -> dict[str, Any]:
-            echo = echoes[c.index // params.n] if echoes is not None and chars == tokens == 0 else None
+            echo = echoes[c.index // params.n] if echoes is not None else None
             return self._completion_choice(out, c, chars, tokens, echo, echo_logprobs, body.prompt_logprobs)
 
         return await self._serve(request_id, prompts, params, body.priority, raw, body.stream, body.include_usage,
@@ -283,11 +286,12 @@ class OpenAIServing:
     def _completion_choice(self, out: RequestOutput, c: CompletionOutput, sent_chars: int, sent_tokens: int,
                            echo: str | None = None, echo_logprobs: int | None = None,
                            prompt_logprobs: int | None = None) -> dict[str, Any]:
-        """`echo`: the prompt's text, in a completion's first choice only (with its logprobs, the
-        first token's null, when `echo_logprobs` is set); `prompt_logprobs` (vLLM's field), in
-        the first choice too."""
+        """`echo`: the prompt's text, put before the completion's first chunk (with its logprobs,
+        the first token's null, when `echo_logprobs` is set); `prompt_logprobs` (vLLM's field),
+        in the first chunk too."""
         first = sent_chars == sent_tokens == 0
         offset = sent_chars + (len(echo) if echo is not None else 0)
+        echo = echo if first else None
         logprobs = None
         if c.logprobs is not None:
             logprobs = self._completion_logprobs(c.token_ids[sent_tokens:], c.logprobs[sent_tokens:], offset)
