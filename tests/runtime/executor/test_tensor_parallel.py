@@ -1,4 +1,5 @@
-"""Tensor parallelism on the CPU (gloo): TP=2 gives greedy output identical to TP=1, and each
+"""Tensor parallelism on the CPU (gloo): TP=2 gives greedy output identical to TP=1 (and the
+same prompt logprobs: the followers take part in the logits' collectives for them too), and each
 rank reads only its slices of the checkpoint."""
 
 from __future__ import annotations
@@ -23,11 +24,18 @@ def prompts(seed: int) -> list[dict[str, list[int]]]:
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_tp2_greedy_equals_tp1(kind: str, tiny_models) -> None:
     folder, _ = tiny_models[kind]
-    params = SamplingParams(temperature=0, max_tokens=24)
-    single = [o.outputs[0].token_ids for o in LLM(folder, max_model_len=256).generate(prompts(1), params)]
+    params = SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=2)
+    reference = LLM(folder, max_model_len=256).generate(prompts(1), params)
+    single = [o.outputs[0].token_ids for o in reference]
     llm = LLM(folder, max_model_len=256, tensor_parallel_size=2)
     try:
-        sharded = [o.outputs[0].token_ids for o in llm.generate(prompts(1), params)]
+        outs = llm.generate(prompts(1), params)
+        sharded = [o.outputs[0].token_ids for o in outs]
+        for ref, out in zip(reference, outs, strict=True):
+            assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ref.prompt_logprobs)
+            for a, b in zip(ref.prompt_logprobs[1:], out.prompt_logprobs[1:], strict=True):
+                assert a.keys() == b.keys()
+                assert all(b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4) for t in a)
         # after a live block-size change, which every rank applies
         llm.engine.update_config({"block_size": 8})
         again = [o.outputs[0].token_ids for o in llm.generate(prompts(1), params)]
