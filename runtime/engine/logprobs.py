@@ -1,17 +1,17 @@
 """Logprob entries, `{token id: Logprob}`, as outputs carry them: built from what the sampler
-hands back for a row (`RowLogprobs`: the token's logprob, its rank, the top alternatives; engine.py)
-or from the engine core's messages (`(token id, logprob, rank)` triples; output_processor.py). A
-token's text comes from `decode`, which gives None where nothing detokenizes (the engine core:
-the API process decodes). No torch."""
+hands back for a row (`RowLogprobs`, executor/inputs.py; engine.py) or from the engine core's
+messages (`(token id, logprob, rank)` triples; output_processor.py). A token's text comes from
+`decode`, which gives None where nothing detokenizes (the engine core: the API process
+decodes). No torch."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from kvpilot.runtime.engine.sequence import Request, Sequence
+from kvpilot.runtime.executor.inputs import RowLogprobs
 from kvpilot.runtime.outputs import Logprob
 
-RowLogprobs = tuple[float, int, list[tuple[int, float]]]
 Decode = Callable[[int], str | None]
 
 

@@ -29,6 +29,10 @@ from dataclasses import dataclass, field
 
 from kvpilot.runtime.sampling_params import SamplingParams
 
+# what the executor hands back per logprob row: (a token's logprob, its rank (1 = most likely),
+# the top alternatives [(token id, logprob)])
+RowLogprobs = tuple[float, int, list[tuple[int, float]]]
+
 
 @dataclass(slots=True)  # not frozen: 3x cheaper to build, and the engine builds one per sample per step
 class SamplingRow:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.runtime.executor.batch import to_device
-from kvpilot.runtime.executor.inputs import SamplingRow
+from kvpilot.runtime.executor.inputs import RowLogprobs, SamplingRow
 
 PROMPT_LOGITS_BYTES = 1 << 28  # float32 logits of one slice of prompt rows
 
@@ -35,7 +35,7 @@ PROMPT_LOGITS_BYTES = 1 << 28  # float32 logits of one slice of prompt rows
 class SampleResult:
     token_ids: list[int]
     # per row: (logprob of the sampled token, its rank, top-k [(token_id, logprob)]) or None
-    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+    logprobs: list[RowLogprobs | None]
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -125,13 +125,24 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow],
     # rows with logprobs: the sampled token's logprob and rank, and the top-k of the widest ask
     wanted = [i for i, w in enumerate(want_logprobs) if w]
     idx = to_device(wanted, torch.long, device)
-    lp = raw_logprobs[idx]
-    token_lp = lp.gather(1, chosen[idx][:, None])
-    rank = (lp > token_lp).sum(dim=1, keepdim=True) + 1
     k = max(rows[i].params.logprobs or 0 for i in wanted)
-    vals, ids = lp.topk(k, dim=1)
-    packed = torch.cat([token_lp.double(), rank.double(), vals.double(), ids.double()], dim=1)
+    packed = _pack_logprobs(raw_logprobs[idx], chosen[idx], k)
     return DeviceSample(chosen, rows, wanted, k, torch.cat([chosen.double(), packed.flatten()]))
+
+
+def _pack_logprobs(lp: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row of `lp` (float32 log-probabilities): `tokens`' logprob, its rank (1 = most likely),
+    the top-k logprobs, then their token ids, as float64 (ids are exact there): (rows, 2 + 2k)."""
+    token_lp = lp.gather(1, tokens[:, None])
+    rank = (lp > token_lp).sum(dim=1, keepdim=True) + 1
+    vals, ids = lp.topk(k, dim=1)
+    return torch.cat([token_lp.double(), rank.double(), vals.double(), ids.double()], dim=1)
+
+
+def _unpack_logprobs(values: list[float], k: int, want: int) -> RowLogprobs:
+    """One row `_pack_logprobs` made, with the first `want` of its top k."""
+    top = [(int(t), v) for t, v in zip(values[2 + k:2 + k + want], values[2:2 + want], strict=True)]
+    return values[0], int(values[1]), top
 
 
 class DeviceSample:
@@ -151,15 +162,12 @@ class DeviceSample:
             self._ready.synchronize()
         rows, wanted, k, host = self._rows, self._wanted, self._k, self._host
         n = len(rows)
-        logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * n
+        logprobs: list[RowLogprobs | None] = [None] * n
         if not wanted:
             return SampleResult(token_ids=host.tolist(), logprobs=logprobs)
         token_ids = host[:n].long().tolist()
-        for j, row_values in enumerate(host[n:].view(len(wanted), 2 + 2 * k).tolist()):
-            i = wanted[j]
-            want = rows[i].params.logprobs or 0
-            top = [(int(t), v) for t, v in zip(row_values[2 + k:2 + k + want], row_values[2:2 + want], strict=True)]
-            logprobs[i] = (row_values[0], int(row_values[1]), top)
+        for i, values in zip(wanted, host[n:].view(len(wanted), 2 + 2 * k).tolist(), strict=True):
+            logprobs[i] = _unpack_logprobs(values, k, rows[i].params.logprobs or 0)
         return SampleResult(token_ids=token_ids, logprobs=logprobs)
 
 
@@ -176,10 +184,7 @@ def score_prompt(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden:
         if not keep:
             continue
         lp = logits.log_softmax(dim=-1, dtype=torch.float32)
-        token_lp = lp.gather(1, targets[begin:begin + step, None])
-        rank = (lp > token_lp).sum(dim=1, keepdim=True) + 1
-        vals, ids = lp.topk(k, dim=1)
-        parts.append(torch.cat([token_lp.double(), rank.double(), vals.double(), ids.double()], dim=1))
+        parts.append(_pack_logprobs(lp, targets[begin:begin + step], k))
     return DevicePromptLogprobs(torch.cat(parts), k) if keep else None
 
 
@@ -190,13 +195,11 @@ class DevicePromptLogprobs:
         self._k = k
         self._host, self._ready = to_host(packed)
 
-    def result(self) -> list[tuple[float, int, list[tuple[int, float]]]]:
+    def result(self) -> list[RowLogprobs]:
         """Per row: (the prompt token's logprob, its rank, the top k [(token id, logprob)])."""
         if self._ready is not None:
             self._ready.synchronize()
-        k = self._k
-        return [(row[0], int(row[1]), [(int(t), v) for t, v in zip(row[2 + k:], row[2:2 + k], strict=True)])
-                for row in self._host.tolist()]
+        return [_unpack_logprobs(values, self._k, self._k) for values in self._host.tolist()]
 
 
 def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
