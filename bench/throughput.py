@@ -4,8 +4,8 @@ or a local JSONL dataset, every request to its full output length (EOS ignored, 
 benchmark does).
 
 Prints requests/s, total and output tokens/s, and the decode step against its bandwidth floor:
-a decode-only step must read every weight and each running sequence's KV once, so its floor is
-those bytes over the device's copy rate (measured in the same run: a large device-to-device copy,
+a decode-only step must read every weight (but the input embedding, of which it reads only its
+tokens' rows) and each running sequence's KV once, so its floor is those bytes over the device's copy rate (measured in the same run: a large device-to-device copy,
 bytes read plus written per second). Steps are timed by the engine itself (`last_step`), so the
 figure is the step as `LLM.generate` ran it. With `--output FILE`: JSON, and a PNG beside it of the
 decode step time against batch size with the floor.
@@ -129,7 +129,7 @@ def measure(llm: Any, requests: list[Any], disable_tqdm: bool = True) -> dict[st
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     rate = copy_rate(engine.config.device.device)
     runner = engine.runner
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes = runner.model.streamed_weight_bytes()
     kv_per_token = runner.bytes_per_block // engine.config.cache.block_size
     steps = []
     for batch, timed in sorted(decode_steps.items()):
@@ -174,7 +174,7 @@ def format_result(result: dict[str, Any]) -> str:
     lines = [f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.1f} total "
              f"tokens/s, {result['output_tokens_per_s']:.1f} output tokens/s "
              f"({result['num_requests']} requests in {result['elapsed_s']:.2f} s)",
-             f"Decode step against its bandwidth floor (weights {result['weight_bytes'] / 2**30:.2f} GiB + KV read, "
+             f"Decode step against its bandwidth floor (weights streamed {result['weight_bytes'] / 2**30:.2f} GiB + KV read, "
              f"at {result['copy_rate_bytes_per_s'] / 1e9:.0f} GB/s copy rate):",
              f"{'batch':>7}{'steps':>8}{'median ms':>12}{'floor ms':>11}{'x floor':>9}{'ms/token':>10}"]
     for s in result["decode_steps"]:

@@ -1,6 +1,7 @@
 """Whole-engine GPU throughput: decode of a Llama-3-8B-shaped model (dummy bf16 weights) at several
-batch sizes, the median decode step against its bandwidth floor (weights + the KV read once per step,
-at the copy rate measured in the same run). Correctness on CUDA is tests/runtime/test_gpu_engine.py.
+batch sizes, the median decode step against its bandwidth floor (the weights a step reads whole, all
+but the input embedding, and the KV, read once per step, at the copy rate measured in the same
+run). Correctness on CUDA is tests/runtime/test_gpu_engine.py.
 
 Each batch size runs with decode CUDA graphs and then without them in the same engine (forward_ms:
 the device span of the forward pass; the rest of a step is the host's scheduling and sampling), and
@@ -9,9 +10,10 @@ step N: engine.py) and without, switched in the same engine. A step's time is th
 `step()` returns, with no synchronisation added, so under async scheduling it is the pipeline's
 period.
 
-Each row also gives the GPU's median SM clock and power draw over its counted steps (sampled by
-`nvidia-smi` every 100 ms; null where it is not installed): at batch 256 an H200 runs into its
-power limit, and its clock, not the kernels, then sets the GEMMs' time.
+Each row also gives the GPU's SM clock (median, lowest), median power draw and the share of
+samples slowed by the power cap over its counted steps (sampled by `nvidia-smi` every 100 ms; null
+where it is not installed): at batch 256 an H200 runs into its power limit, and its clock, not the
+kernels, then sets the GEMMs' time (`bench_step_power.py` shows which part of the step draws it).
 
 Usage (GPU): PYTHONSAFEPATH=1 python3 benchmarks/bench_engine_gpu.py [--batches 1 32 128 256] [--out FILE]
                  [--enforce-eager]  (an engine without graphs: eager rows only)
@@ -53,33 +55,39 @@ def copy_rate() -> float:
 
 
 class ClockLog:
-    """`nvidia-smi` sampling the SM clock and power draw every 100 ms into a file, for the medians
-    over a window of wall-clock time (`window`)."""
+    """`nvidia-smi` sampling the SM clock, power draw and throttle reasons every 100 ms into a file,
+    for summaries over a window of wall-clock time (`window`)."""
+
+    POWER_CAP = 0x4  # clocks_throttle_reasons.active: the software power cap
 
     def __init__(self) -> None:
         self._file = tempfile.NamedTemporaryFile("w+", suffix=".csv")
         self._proc = None
         if shutil.which("nvidia-smi"):
             self._proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                 "-lms", "100"], stdout=self._file, stderr=subprocess.DEVNULL)
+                ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", "100"], stdout=self._file, stderr=subprocess.DEVNULL)
 
     def window(self, begin: float, end: float) -> dict[str, float | None]:
-        """Median SM clock (MHz) and power (W) of the samples between two `time.time()` readings."""
-        clocks, watts = [], []
+        """Over the samples between two `time.time()` readings: the median and lowest SM clock
+        (MHz), the median power (W), and the share of samples the power cap was slowing the clock."""
+        clocks, watts, capped = [], [], []
         if self._proc is not None:
             self._file.flush()
             for line in Path(self._file.name).read_text().splitlines():
-                stamp, clock, power = (part.strip() for part in line.split(","))
                 try:
+                    stamp, clock, power, reasons = (part.strip() for part in line.split(","))
                     at = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
                     if begin <= at <= end:
                         clocks.append(float(clock))
                         watts.append(float(power))
+                        capped.append(bool(int(reasons, 16) & self.POWER_CAP))
                 except ValueError:  # a partly written line
                     continue
         return {"sm_clock_mhz": statistics.median(clocks) if clocks else None,
-                "power_w": statistics.median(watts) if watts else None}
+                "sm_clock_min_mhz": min(clocks) if clocks else None,
+                "power_w": statistics.median(watts) if watts else None,
+                "power_capped": sum(capped) / len(capped) if capped else None}
 
     def close(self) -> None:
         if self._proc is not None:
@@ -101,14 +109,15 @@ def throughput(batches: list[int], rate: float, enforce_eager: bool = False,
     rng = random.Random(0)
     llm.generate([{"prompt_token_ids": [rng.randrange(1000, 100000) for _ in range(PROMPT_LEN)]}], SamplingParams(max_tokens=4))
     runner = llm.engine.runner
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes = runner.model.streamed_weight_bytes()
     kv_per_token = runner.bytes_per_block // llm.engine.config.cache.block_size
     graphs = runner.graphs
     forward_ms = timed_forward(runner)
     clock = ClockLog()
     rows = []
     for batch in batches:
-        # one decode step reads every weight and, on average, half the generated context's KV once
+        # one decode step reads every weight but the input embedding's unused rows and, on average,
+        # half the generated context's KV once
         floor = (weight_bytes + batch * (PROMPT_LEN + NEW_TOKENS // 2) * kv_per_token) / rate
         runs = [("graphs", a) for a in async_modes] if graphs is not None else []
         runs.append(("eager", async_modes[0]))

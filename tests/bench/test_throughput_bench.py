@@ -8,11 +8,13 @@ import json
 import os
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 
 import pytest
 
 from kvpilot.bench import throughput
+from kvpilot.runtime.executor.models.llama import LlamaConfig, LlamaForCausalLM
 
 KVPILOT = str(Path(sys.executable).parent / "kvpilot")
 ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
@@ -45,6 +47,17 @@ def test_a_tiny_dummy_model_reports_throughput_and_the_decode_floor(tmp_path: Pa
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "requests/s" in printed and "output tokens/s" in printed and "x floor" in printed
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_floor_counts_the_weights_a_step_reads_whole(tied: bool) -> None:
+    """An untied input embedding is looked up, a few rows a step, not streamed: the floor leaves it
+    out (Llama-3-8B's is 1 GiB, a quarter of a millisecond on an H200); a tied one is the LM head."""
+    hf = json.loads((resources.files("kvpilot.runtime") / "presets" / "tiny-llama.json").read_text())
+    model = LlamaForCausalLM(LlamaConfig.from_hf({**hf, "tie_word_embeddings": tied}))
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    assert model.streamed_weight_bytes() == (every if tied else every - embedding)
 
 
 def test_sampled_lengths_stay_within_the_range(tmp_path: Path) -> None:

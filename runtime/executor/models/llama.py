@@ -190,6 +190,13 @@ class LlamaForCausalLM(nn.Module):
         ops.fused_add_rms_norm(h, residual, self.norm, eps)
         return h
 
+    def streamed_weight_bytes(self) -> int:
+        """Bytes of this rank's weights a forward pass reads whole: every parameter but an untied
+        input embedding, of which it reads only its tokens' rows (a tied one is read whole by the
+        LM head). A decode step's bandwidth floor counts these."""
+        lookup_only = self.embed_tokens.weight if self.lm_head is not None else None
+        return sum(p.numel() * p.element_size() for p in self.parameters() if p is not lookup_only)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) in the model's dtype (the sampler widens the rows that need
         float32: a greedy argmax does not); every rank takes part under tensor parallelism."""
