@@ -40,3 +40,12 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, not {text!r}")
     return value
+
+
+def tokenizer_folder(text: str) -> str:
+    from kvpilot.runtime.model_source import ModelSourceError, tokenizer_folder
+
+    try:
+        return str(tokenizer_folder(text))
+    except ModelSourceError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -39,8 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--num-prompts", type=flags.positive_int, default=200)
     g.add_argument("--dataset-path", type=Path, default=None, metavar="FILE",
-                   help="local JSONL, one {\"prompt\" or \"prompt_token_ids\", optional \"output_len\"} per line "
-                        "(default: random token-id prompts)")
+                   help="local JSONL, one {\"prompt\" or \"prompt_token_ids\", optional \"output_len\"} per line, "
+                        "or ShareGPT JSON, sampled as vLLM does (default: random token-id prompts)")
+    g.add_argument("--tokenizer", type=flags.tokenizer_folder, default=None, metavar="FOLDER",
+                   help="a local tokenizer folder (the served model's): counts a ShareGPT dataset's reply tokens")
     g.add_argument("--random-input-len", type=flags.positive_int, default=1024)
     g.add_argument("--random-output-len", type=flags.positive_int, default=128,
                    help="also the output length of dataset lines without one")
@@ -98,10 +100,11 @@ class _ServerError(Exception):
 
 
 def _requests(args: argparse.Namespace) -> list[Any]:
-    from .workload import RandomSpec, WorkloadError, load_dataset, random_requests
+    from .workload import RandomSpec, WorkloadError, lazy_encoder, load_dataset, random_requests
 
     if args.dataset_path is not None:
-        return load_dataset(args.dataset_path, args.num_prompts, args.random_output_len, args.seed)
+        return load_dataset(args.dataset_path, args.num_prompts, args.random_output_len, args.seed,
+                            lazy_encoder(args.tokenizer))
     try:
         spec = RandomSpec(args.num_prompts, args.random_input_len, args.random_output_len,
                           args.random_range_ratio, args.random_prefix_len)

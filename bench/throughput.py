@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="sample lengths uniformly within len * (1 +- ratio)")
     g.add_argument("--dataset-path", type=Path, default=None, metavar="FILE",
-                   help="local JSONL, one {\"prompt\" or \"prompt_token_ids\", optional \"output_len\"} per line")
+                   help="local JSONL, one {\"prompt\" or \"prompt_token_ids\", optional \"output_len\"} per line, "
+                        "or ShareGPT JSON, sampled as vLLM does (its tokens counted by the model's tokenizer)")
     g.add_argument("--output", type=Path, default=None, metavar="FILE", help="write JSON here and a PNG beside it")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     add_engine_arguments(parser)
@@ -49,11 +50,15 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.runtime.args import EngineArgs
     from kvpilot.runtime.model_source import ModelSourceError
 
-    from .workload import RandomSpec, WorkloadError, load_dataset, random_requests
+    from kvpilot.runtime.model_source import resolve_model
+
+    from .workload import RandomSpec, WorkloadError, lazy_encoder, load_dataset, random_requests
 
     try:
         if args.dataset_path is not None:
-            requests = load_dataset(args.dataset_path, args.num_prompts, args.output_len, args.seed)
+            tokenizer = resolve_model(args.model, args.load_format, args.tokenizer).tokenizer
+            requests = load_dataset(args.dataset_path, args.num_prompts, args.output_len, args.seed,
+                                    lazy_encoder(tokenizer))
         else:
             try:
                 spec = RandomSpec(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio)

@@ -8,20 +8,29 @@ Random prompts follow vLLM's random dataset: lengths drawn uniformly from
 default stays below 256, so any vocabulary holds them; special tokens of common vocabularies
 lie at 0-16 or past 128,000).
 
-Dataset lines (JSONL), one request each: `{"prompt": "text"}` or `{"prompt_token_ids": [...]}`,
-optionally with `"output_len"` (or `"max_tokens"`); lines without one use the default.
+Datasets, local files of two kinds:
+* JSONL, one request a line: `{"prompt": "text"}` or `{"prompt_token_ids": [...]}`, optionally
+  with `"output_len"` (or `"max_tokens"`); lines without one use the default.
+* ShareGPT JSON (a list of `{"conversations": [{"from": ..., "value": ...}, ...]}`, the file vLLM's
+  serving benchmark reads): as vLLM samples it, the conversations are shuffled by the seed, each
+  gives its first turn as the prompt and the token count of the second (the reply) as the output
+  length, and pairs with fewer than 4 tokens on either side, a prompt over 1,024 tokens or over
+  2,048 together are passed over. Counting needs a tokenizer (the caller's `encode`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 DEFAULT_TOKEN_RANGE = (100, 256)
+# vLLM's ShareGPT sampling limits, so both benchmarks draw the same requests from the file
+SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT_LEN, SHAREGPT_MAX_LEN = 4, 1024, 2048
 
 
 class WorkloadError(ValueError):
@@ -78,16 +87,72 @@ def random_requests(spec: RandomSpec, seed: int = 0) -> list[BenchRequest]:
     return requests
 
 
-def load_dataset(path: Path, num_prompts: int, default_output_len: int, seed: int = 0) -> list[BenchRequest]:
-    """`num_prompts` requests from the file, in its order, cycling when it holds fewer."""
+def load_dataset(path: Path, num_prompts: int, default_output_len: int, seed: int = 0,
+                 encode: Callable[[str], list[int]] | None = None) -> list[BenchRequest]:
+    """`num_prompts` requests from a JSONL file, in its order, or sampled from a ShareGPT JSON file
+    (which needs `encode`, a tokenizer's); cycling when the file gives fewer."""
     try:
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-    except OSError as e:
-        raise WorkloadError(f"--dataset-path {path}: {e.strerror}") from None
-    if not lines:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise WorkloadError(f"--dataset-path {path}: {getattr(e, 'strerror', None) or e}") from None
+    if text.lstrip().startswith("["):
+        entries = _sharegpt(path, text, num_prompts, seed, encode)
+    else:
+        lines = [line for line in text.splitlines() if line.strip()]
+        entries = [_entry(path, i + 1, line, default_output_len) for i, line in enumerate(lines)]
+    if not entries:
         raise WorkloadError(f"--dataset-path {path}: the file holds no requests")
-    entries = [_entry(path, i + 1, line, default_output_len) for i, line in enumerate(lines)]
     return [entries[i % len(entries)] for i in range(num_prompts)]
+
+
+def _sharegpt(path: Path, text: str, num_prompts: int, seed: int,
+              encode: Callable[[str], list[int]] | None) -> list[BenchRequest]:
+    where = f"--dataset-path {path}"
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise WorkloadError(f"{where}: not JSON: {e.msg} (line {e.lineno})") from None
+    if not all(isinstance(entry, dict) and isinstance(entry.get("conversations"), list) for entry in body):
+        raise WorkloadError(f"{where}: a JSON list, but not ShareGPT's: each entry needs a 'conversations' list "
+                            f"(or give JSONL, one request a line)")
+    if not body:
+        return []
+    if encode is None:
+        raise WorkloadError(f"{where} is ShareGPT JSON: counting its replies' tokens (the output lengths) needs "
+                            f"--tokenizer, a local tokenizer folder such as the model's")
+    turns = [[t.get("value") if isinstance(t, dict) else None for t in entry["conversations"][:2]] for entry in body]
+    pairs = [(first, reply) for first, reply in (t for t in turns if len(t) == 2)
+             if isinstance(first, str) and isinstance(reply, str)]
+    requests = []
+    for i in np.random.default_rng(seed).permutation(len(pairs)).tolist():
+        prompt, reply = pairs[i]
+        prompt_len, output_len = len(encode(prompt)), len(encode(reply))
+        if (min(prompt_len, output_len) < SHAREGPT_MIN_LEN or prompt_len > SHAREGPT_MAX_PROMPT_LEN
+                or prompt_len + output_len > SHAREGPT_MAX_LEN):
+            continue
+        requests.append(BenchRequest(prompt, None, output_len))  # text: the server's usage counts it
+        if len(requests) == num_prompts:
+            break
+    if pairs and not requests:
+        raise WorkloadError(f"{where}: none of its {len(pairs)} conversations is within the sampling limits "
+                            f"(>= {SHAREGPT_MIN_LEN} tokens each side, prompt <= {SHAREGPT_MAX_PROMPT_LEN}, "
+                            f"prompt + reply <= {SHAREGPT_MAX_LEN})")
+    return requests
+
+
+def lazy_encoder(folder: str | None) -> Callable[[str], list[int]] | None:
+    """A local tokenizer folder's `encode`, loaded on its first call (only a ShareGPT file calls it)."""
+    if folder is None:
+        return None
+    loaded: list[Callable[[str], list[int]]] = []
+
+    def encode(text: str) -> list[int]:
+        if not loaded:
+            from kvpilot.runtime.engine.tokenizer import Tokenizer
+
+            loaded.append(Tokenizer(folder).encode)
+        return loaded[0](text)
+    return encode
 
 
 def _entry(path: Path, line_no: int, line: str, default_output_len: int) -> BenchRequest:

@@ -149,7 +149,7 @@ def resolve_model(model: str | None, load_format: str = "auto", tokenizer: str |
             raise ModelSourceError(
                 f"{model!r} is neither a local path nor a shipped preset; presets: {', '.join(preset_names())}")
         return ModelSource(path=model, name=model, load_format="dummy", hf_config=load_preset(model),
-                           tokenizer=_tokenizer_folder(tokenizer))
+                           tokenizer=tokenizer_folder(tokenizer))
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelSourceError(f"{path} is a file but not a .gguf file; pass a model folder or a .gguf file")
@@ -162,7 +162,7 @@ def resolve_model(model: str | None, load_format: str = "auto", tokenizer: str |
     raise ModelSourceError(f"model {model!r} not found: not a local path{' or a shipped preset (use --load-format dummy)' if model in preset_names() else ''}.{hint}")
 
 
-def _tokenizer_folder(tokenizer: str | None) -> str | None:
+def tokenizer_folder(tokenizer: str | None) -> str | None:
     if tokenizer is None:
         return None
     folder = Path(tokenizer).expanduser()
@@ -179,5 +179,5 @@ def _folder_source(folder: Path, name: str, load_format: str, tokenizer: str | N
         if not any(folder.glob("*.safetensors")):
             raise ModelSourceError(f"{folder} has no *.safetensors weights (only safetensors are read; or use --load-format dummy)")
         load_format = "safetensors"
-    tok = _tokenizer_folder(tokenizer) if tokenizer else (str(folder) if _has_tokenizer(folder) else None)
+    tok = tokenizer_folder(tokenizer) if tokenizer else (str(folder) if _has_tokenizer(folder) else None)
     return ModelSource(path=str(folder), name=name, load_format=load_format, hf_config=config, tokenizer=tok)

@@ -108,6 +108,39 @@ def test_a_dataset_of_text_prompts_is_served(served: str, tmp_path: Path) -> Non
     assert run["total_input_tokens"] > 4
 
 
+def test_a_sharegpt_file_is_served_with_its_replies_lengths(served: str, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from kvpilot.runtime.model_source import resolve_model
+
+    folder = resolve_model(None).tokenizer
+    assert folder is not None
+    replies = ["Paris is the capital of France.", "Hello! How can I help you today?"]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([{"conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}]}
+                                for prompt, reply in zip(["What is the capital of France?", "Hi there, who are you?"],
+                                                         replies, strict=True)]))
+    out = tmp_path / "serve.json"
+    args = parse("--base-url", served, "--dataset-path", str(data), "--tokenizer", folder, "--num-prompts", "2",
+                 "--ignore-eos", "--output", str(out), "--disable-tqdm")
+    assert serve.run(args) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert run["completed"] == 2 and run["total_output_tokens"] == sum(len(tokenizer.encode(r)) for r in replies)
+
+
+def test_a_sharegpt_file_without_a_tokenizer_is_one_line(tmp_path: Path) -> None:
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([{"conversations": [{"from": "human", "value": "a b c d"}, {"from": "gpt", "value": "e f g h"}]}]))
+    done = subprocess.run([KVPILOT, "bench", "serve", "--dataset-path", str(data), "--base-url", "http://127.0.0.1:9"],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "ShareGPT JSON" in done.stderr and "--tokenizer" in done.stderr
+    done = subprocess.run([KVPILOT, "bench", "serve", "--dataset-path", str(data), "--tokenizer", str(tmp_path)],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--tokenizer" in done.stderr and "no tokenizer.json" in done.stderr
+
+
 def test_errors_from_the_server_are_counted_not_raised(served: str, tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
     args = parse("--base-url", served, "--num-prompts", "3", "--random-input-len", "600", "--random-output-len", "4",

@@ -60,6 +60,24 @@ def test_the_floor_counts_the_weights_a_step_reads_whole(tied: bool) -> None:
     assert model.streamed_weight_bytes() == (every if tied else every - embedding)
 
 
+def test_a_sharegpt_file_takes_its_replies_lengths_from_the_models_tokenizer(tmp_path: Path) -> None:
+    from kvpilot.runtime.engine.tokenizer import Tokenizer
+    from kvpilot.runtime.model_source import resolve_model
+
+    replies = ["Paris is the capital of France.", "Hello! How can I help you today?"]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([{"conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}]}
+                                for prompt, reply in zip(["What is the capital of France?", "Hi there, who are you?"],
+                                                         replies, strict=True)]))
+    out = tmp_path / "throughput.json"
+    assert throughput.run(parse("--dataset-path", str(data), "--num-prompts", "2", "--output", str(out),
+                                "--disable-tqdm")) == 0
+    folder = resolve_model(None).tokenizer
+    assert folder is not None
+    expected = sum(len(Tokenizer(folder).encode(r)) for r in replies)
+    assert json.loads(out.read_text())["total_output_tokens"] == expected
+
+
 def test_sampled_lengths_stay_within_the_range(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
     args = parse("--model", "tiny-llama", "--load-format", "dummy", "--num-prompts", "10", "--input-len", "20",

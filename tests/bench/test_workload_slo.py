@@ -1,7 +1,8 @@
-"""The benchmarks' inputs: random prompts, JSONL datasets, arrival times and `--slo`."""
+"""The benchmarks' inputs: random prompts, JSONL and ShareGPT datasets, arrival times and `--slo`."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,50 @@ def test_a_bad_dataset_line_is_named(tmp_path: Path, line: str, message: str) ->
     path.write_text('{"prompt": "ok"}\n' + line + "\n")
     with pytest.raises(WorkloadError, match=message):
         load_dataset(path, 2, 4)
+
+
+def sharegpt(*pairs: tuple[str, str], extra: list[object] | None = None) -> str:
+    """A ShareGPT file's text: one conversation per (prompt, reply), a third turn on each."""
+    conversations = [{"id": str(i), "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply},
+                                                      {"from": "human", "value": "and then?"}]}
+                     for i, (prompt, reply) in enumerate(pairs)]
+    return json.dumps(conversations + (extra or []), indent=2)
+
+
+def words(text: str) -> list[int]:
+    """A stand-in tokenizer for the sampling rules: one token a word."""
+    return [len(w) for w in text.split()]
+
+
+def test_sharegpt_is_sampled_as_vllm_samples_it(tmp_path: Path) -> None:
+    ok = [(f"this is prompt {i} " + "w " * i, "reply " * (4 + i)) for i in range(6)]  # 4..9 tokens each side
+    passed_over = [("too short", "a reply of five words"), ("four words of prompt", "tiny"),
+                   ("w " * 1025, "long prompt over here"), ("w " * 1000, "w " * 1049)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(sharegpt(*ok, *passed_over, extra=[{"id": "x", "conversations": [{"from": "human", "value": "alone"}]}]))
+    requests = load_dataset(path, 6, default_output_len=99, seed=1, encode=words)
+    replies = {prompt: len(words(reply)) for prompt, reply in ok}
+    assert sorted(r.prompt for r in requests) == sorted(replies)  # type: ignore[type-var]
+    assert all(r.output_len == replies[r.prompt] and r.prompt_len is None for r in requests)  # type: ignore[index]
+    # the seed orders them (as vLLM shuffles the file), the same seed the same order; fewer cycle
+    again = load_dataset(path, 6, 99, seed=1, encode=words)
+    other = load_dataset(path, 6, 99, seed=2, encode=words)
+    assert again == requests and [r.prompt for r in other] != [r.prompt for r in requests]
+    assert load_dataset(path, 8, 99, seed=1, encode=words)[6:] == requests[:2]
+
+
+@pytest.mark.parametrize(("text", "encode", "message"), [
+    (sharegpt(("a prompt of words", "and a reply of words")), None, "is ShareGPT JSON: .* needs --tokenizer"),
+    ('[{"prompt": "x"}]', words, "not ShareGPT's: each entry needs a 'conversations' list"),
+    (sharegpt(("one", "two")), words, "none of its 1 conversations is within the sampling limits"),
+    ("[]", words, "holds no requests"),
+    ('[{"conversations": []}', words, "not JSON"),
+])
+def test_a_bad_sharegpt_file_is_named(tmp_path: Path, text: str, encode, message: str) -> None:
+    path = tmp_path / "d.json"
+    path.write_text(text)
+    with pytest.raises(WorkloadError, match=message):
+        load_dataset(path, 2, 4, encode=encode)
 
 
 def test_poisson_arrivals_have_the_rate_and_bursty_ones_bunch() -> None:
