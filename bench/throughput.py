@@ -48,9 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvpilot.runtime import LLM
     from kvpilot.runtime.args import EngineArgs
-    from kvpilot.runtime.model_source import ModelSourceError
-
-    from kvpilot.runtime.model_source import resolve_model
+    from kvpilot.runtime.model_source import ModelSourceError, resolve_model
 
     from .workload import RandomSpec, WorkloadError, lazy_encoder, load_dataset, random_requests
 
