@@ -22,6 +22,8 @@ from kvpilot.bench.slo import parse_slo
 
 KVPILOT = str(Path(sys.executable).parent / "kvpilot")
 ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
+SHAREGPT = Path(__file__).parent / "data" / "sharegpt-two.json"  # two conversations
+SHAREGPT_REPLIES = [c["conversations"][1]["value"] for c in json.loads(SHAREGPT.read_text())]
 
 
 @pytest.fixture(scope="module")
@@ -115,28 +117,22 @@ def test_a_sharegpt_file_is_served_with_its_replies_lengths(served: str, tmp_pat
 
     folder = resolve_model(None).tokenizer
     assert folder is not None
-    replies = ["Paris is the capital of France.", "Hello! How can I help you today?"]
-    data = tmp_path / "sharegpt.json"
-    data.write_text(json.dumps([{"conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}]}
-                                for prompt, reply in zip(["What is the capital of France?", "Hi there, who are you?"],
-                                                         replies, strict=True)]))
     out = tmp_path / "serve.json"
-    args = parse("--base-url", served, "--dataset-path", str(data), "--tokenizer", folder, "--num-prompts", "2",
+    args = parse("--base-url", served, "--dataset-path", str(SHAREGPT), "--tokenizer", folder, "--num-prompts", "2",
                  "--ignore-eos", "--output", str(out), "--disable-tqdm")
     assert serve.run(args) == 0
     run = json.loads(out.read_text())["runs"][0]
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    assert run["completed"] == 2 and run["total_output_tokens"] == sum(len(tokenizer.encode(r)) for r in replies)
+    expected = sum(len(tokenizer.encode(r)) for r in SHAREGPT_REPLIES)
+    assert run["completed"] == 2 and run["total_output_tokens"] == expected
 
 
 def test_a_sharegpt_file_without_a_tokenizer_is_one_line(tmp_path: Path) -> None:
-    data = tmp_path / "sharegpt.json"
-    data.write_text(json.dumps([{"conversations": [{"from": "human", "value": "a b c d"}, {"from": "gpt", "value": "e f g h"}]}]))
-    done = subprocess.run([KVPILOT, "bench", "serve", "--dataset-path", str(data), "--base-url", "http://127.0.0.1:9"],
+    done = subprocess.run([KVPILOT, "bench", "serve", "--dataset-path", str(SHAREGPT), "--base-url", "http://127.0.0.1:9"],
                           env=ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert "ShareGPT JSON" in done.stderr and "--tokenizer" in done.stderr
-    done = subprocess.run([KVPILOT, "bench", "serve", "--dataset-path", str(data), "--tokenizer", str(tmp_path)],
+    done = subprocess.run([KVPILOT, "bench", "serve", "--dataset-path", str(SHAREGPT), "--tokenizer", str(tmp_path)],
                           env=ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--tokenizer" in done.stderr and "no tokenizer.json" in done.stderr
 

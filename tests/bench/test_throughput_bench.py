@@ -18,6 +18,8 @@ from kvpilot.runtime.executor.models.llama import LlamaConfig, LlamaForCausalLM
 
 KVPILOT = str(Path(sys.executable).parent / "kvpilot")
 ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
+SHAREGPT = Path(__file__).parent / "data" / "sharegpt-two.json"  # two conversations
+SHAREGPT_REPLIES = [c["conversations"][1]["value"] for c in json.loads(SHAREGPT.read_text())]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -64,17 +66,12 @@ def test_a_sharegpt_file_takes_its_replies_lengths_from_the_models_tokenizer(tmp
     from kvpilot.runtime.engine.tokenizer import Tokenizer
     from kvpilot.runtime.model_source import resolve_model
 
-    replies = ["Paris is the capital of France.", "Hello! How can I help you today?"]
-    data = tmp_path / "sharegpt.json"
-    data.write_text(json.dumps([{"conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}]}
-                                for prompt, reply in zip(["What is the capital of France?", "Hi there, who are you?"],
-                                                         replies, strict=True)]))
     out = tmp_path / "throughput.json"
-    assert throughput.run(parse("--dataset-path", str(data), "--num-prompts", "2", "--output", str(out),
+    assert throughput.run(parse("--dataset-path", str(SHAREGPT), "--num-prompts", "2", "--output", str(out),
                                 "--disable-tqdm")) == 0
     folder = resolve_model(None).tokenizer
     assert folder is not None
-    expected = sum(len(Tokenizer(folder).encode(r)) for r in replies)
+    expected = sum(len(Tokenizer(folder).encode(r)) for r in SHAREGPT_REPLIES)
     assert json.loads(out.read_text())["total_output_tokens"] == expected
 
 
