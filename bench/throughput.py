@@ -5,10 +5,11 @@ benchmark does).
 
 Prints requests/s, total and output tokens/s, and the decode step against its bandwidth floor:
 a decode-only step must read every weight (but the input embedding, of which it reads only its
-tokens' rows) and each running sequence's KV once, so its floor is those bytes over the device's copy rate (measured in the same run: a large device-to-device copy,
-bytes read plus written per second). Steps are timed by the engine itself (`last_step`), so the
-figure is the step as `LLM.generate` ran it. With `--output FILE`: JSON, and a PNG beside it of the
-decode step time against batch size with the floor.
+tokens' rows) and each running sequence's KV once, so its floor is those bytes over the device's
+copy rate (measured in the same run: a large device-to-device copy, bytes read plus written per
+second). Steps are timed by the engine itself (`last_step`), so the figure is the step as
+`LLM.generate` ran it. With `--output FILE`: JSON, and a PNG beside it of the decode step time
+against batch size with the floor.
 """
 
 from __future__ import annotations

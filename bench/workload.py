@@ -20,11 +20,13 @@ Datasets, local files of two kinds:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -144,15 +146,13 @@ def lazy_encoder(folder: str | None) -> Callable[[str], list[int]] | None:
     """A local tokenizer folder's `encode`, loaded on its first call (only a ShareGPT file calls it)."""
     if folder is None:
         return None
-    loaded: list[Callable[[str], list[int]]] = []
 
-    def encode(text: str) -> list[int]:
-        if not loaded:
-            from kvpilot.runtime.engine.tokenizer import Tokenizer
+    @functools.cache
+    def tokenizer() -> Any:
+        from kvpilot.runtime.engine.tokenizer import Tokenizer
 
-            loaded.append(Tokenizer(folder).encode)
-        return loaded[0](text)
-    return encode
+        return Tokenizer(folder)
+    return lambda text: tokenizer().encode(text)
 
 
 def _entry(path: Path, line_no: int, line: str, default_output_len: int) -> BenchRequest:
