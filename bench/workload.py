@@ -149,7 +149,7 @@ def lazy_encoder(folder: str | None) -> Callable[[str], list[int]] | None:
 
     @functools.cache
     def tokenizer() -> Any:
-        from kvpilot.runtime.engine.tokenizer import Tokenizer
+        from kvpilot.runtime import Tokenizer
 
         return Tokenizer(folder)
     return lambda text: tokenizer().encode(text)

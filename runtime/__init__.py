@@ -1,8 +1,8 @@
 """kvpilot's runtime: the paged-attention engine, its models and its OpenAI-compatible server.
 
-The public front door is small: `LLM`, `SamplingParams` and the config types. They are loaded
-lazily so that `kvpilot.runtime.cli` (the console script, also used by the operator image) can
-be imported without torch.
+The public front door is small: `LLM`, `SamplingParams`, the config types and the `Tokenizer`
+(the one the server tokenizes with). They are loaded lazily so that `kvpilot.runtime.cli` (the
+console script, also used by the operator image) can be imported without torch.
 """
 
 from __future__ import annotations
@@ -19,15 +19,17 @@ _EXPORTS = {
     "CacheConfig": "kvpilot.runtime.config",
     "SchedulerConfig": "kvpilot.runtime.config",
     "ModelConfig": "kvpilot.runtime.config",
+    "Tokenizer": "kvpilot.runtime.engine.tokenizer",
 }
 
 __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput",
-    "EngineConfig", "CacheConfig", "SchedulerConfig", "ModelConfig",
+    "EngineConfig", "CacheConfig", "SchedulerConfig", "ModelConfig", "Tokenizer",
 ]
 
 if TYPE_CHECKING:
     from kvpilot.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from kvpilot.runtime.engine.tokenizer import Tokenizer
     from kvpilot.runtime.llm import LLM
     from kvpilot.runtime.outputs import CompletionOutput, RequestOutput
     from kvpilot.runtime.sampling_params import SamplingParams
