@@ -106,18 +106,26 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, split: int) -> Callable[[], 
     return launch
 
 
-def graph_us(launches: list[Callable[[], torch.Tensor]], reps: int = 20) -> float:
-    """The launches captured into one graph; median microseconds a launch over `reps` replays."""
+def captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn's launches in one CUDA graph, run once on a side stream first (cuBLAS picks its kernels
+    and workspace, Triton compiles, outside the capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # cuBLAS picks its kernels and workspace outside the capture
-        for launch in launches:
-            launch()
+    with torch.cuda.stream(side):
+        fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def graph_us(launches: list[Callable[[], torch.Tensor]], reps: int = 20) -> float:
+    """The launches captured into one graph; median microseconds a launch over `reps` replays."""
+    def run_all() -> None:
         for launch in launches:
             launch()
+    graph = captured(run_all)
     graph.replay()
     torch.cuda.synchronize()
     times = []

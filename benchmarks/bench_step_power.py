@@ -28,7 +28,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,26 +35,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks below
 from bench_engine_gpu import ClockLog, copy_rate  # noqa: E402
-from bench_gemm_decode import HEAD_DIM, HEADS, KV_HEADS, LAYERS, SHAPES  # noqa: E402
+from bench_gemm_decode import HEAD_DIM, HEADS, KV_HEADS, LAYERS, SHAPES, captured  # noqa: E402
 
 from kvpilot.kernels.paged_attention import paged_attention_with  # noqa: E402
 from kvpilot.kernels.reference import kv_cache_empty  # noqa: E402
 
 BLOCK_SIZE = 16
-
-
-def captured(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """fn's launches in one CUDA graph (warmed up on a side stream first: cuBLAS picks its kernels
-    and Triton compiles outside the capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def gemm_graph(batch: int) -> torch.cuda.CUDAGraph:

@@ -7,9 +7,10 @@ direction, with msgspec's MessagePack encoding of the small structs below: token
 ids out, never a pickled object on the hot path. The core batches what one step produced into
 one `CoreOutputs` message: for each request touched, each sample's *new* token ids, its finish
 reason and, when asked, the logprobs of those tokens (and the prompt's new logprob entries);
-plus the step's stats and a snapshot of the scheduler and KV cache for `/health` and `/metrics`. Commands (add, abort, finish samples,
-utility calls) are applied between steps; admissions are acknowledged at once, before the next
-step, so a bad request is refused before its HTTP response starts.
+plus the step's stats and a snapshot of the scheduler and KV cache for `/health` and `/metrics`.
+Commands (add, abort, finish samples, utility calls) are applied between steps; admissions are
+acknowledged at once, before the next step, so a bad request is refused before its HTTP
+response starts.
 
 The core runs `LLMEngine` with `detokenize = False`: the API process turns tokens into text and
 ends a sample at a stop string (telling the core with `FinishSeqs`). It exits when told to, when
