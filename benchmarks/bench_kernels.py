@@ -38,7 +38,7 @@ import triton
 from torch.nn import functional as F
 
 RESULTS = Path(__file__).parent / "RESULTS.md"
-SECTION = "## Kernels (issue 5)"
+SECTION = "## Kernels"
 
 
 def merge_section(section: str, path: Path = RESULTS) -> None:
@@ -505,7 +505,9 @@ class Bench:
             target = "—" if group == "kv write" else ">= 80% of copy"
             lines.append(f"| {name} | {ms(group, name):.4f} ms | {get(group, name, 'TBps'):.2f} TB/s "
                          f"({of:.1%} of copy) | {target} | {'' if group == 'kv write' else verdict(of >= 0.8)} |")
-        lines += ["", f"Block sizes 8/32/64 against block 16: largest difference {spread:.1%}.", ""]
+        lines += ["", f"Block sizes 8/32/64 against block 16: largest difference {spread:.1%}. Earlier calls, the "
+                  "tile sweeps and the experiments behind each default: [history](history/README.md), "
+                  '"Kernels (issue 5)".', ""]
         return "\n".join(lines)
 
     # ---------------------------------------------------------------- driver
