@@ -230,7 +230,7 @@ class Bench:
                 ms = self.time_ms(partial(F.scaled_dot_product_attention, qb, k, v, scale=scale, enable_gqa=True))
                 self.record("decode", "peer: SDPA on contiguous KV", ms, TBps=kv_bytes / ms / 1e9)
                 # the gather peer indexes the cache with torch: give it the contiguous layout (on the
-                # strided head-major one it ran 1.15 ms instead of 0.43 at 8fec3d2)
+                # strided head-major one torch's gather is much slower)
                 _, k_cache, v_cache, tables, _, _ = token_major
                 ms = self.time_ms(partial(gather_then_sdpa, qb, k_cache, v_cache, tables, scale))
                 del token_major, k_cache, v_cache
