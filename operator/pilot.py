@@ -46,7 +46,7 @@ from .engine_args import SERVE_PORT
 from .events import build_event
 from .kube import ApiError, Kube
 from .manifests import ADMIN_TOKEN_KEY, Owner, selector_string
-from .status import now_iso
+from .timestamps import now_iso
 
 if TYPE_CHECKING:
     from .controller import Key
@@ -150,7 +150,10 @@ class Pilot:
     """One InferenceService's loop; `settings` may be replaced between passes."""
 
     def __init__(self, key: Key, kube: Kube, session: aiohttp.ClientSession, settings: PilotSettings,
-                 status: Manifest, poke: Callable[[Key], None], clock: Callable[[], float] = time.time) -> None:
+                 status: Manifest, tuned: LiveConfig | None, poke: Callable[[Key], None],
+                 clock: Callable[[], float] = time.time) -> None:
+        """`status`: the service's status as an earlier pilot left it; `tuned`: the tuned config
+        it left (`reconcile.recorded_tuned`), which the view carries until this pilot has its own."""
         from .scaler import Scaler
         from .tuner import Tuner
 
@@ -160,10 +163,10 @@ class Pilot:
                                       span_s=settings.span_s, clock=clock)
         self.coordination = Coordination()
         self.decisions: list[Manifest] = list(status.get("decisions") or [])
-        self.tuner = Tuner(self, status.get("tuning") or {})
+        self.tuner = Tuner(self, status.get("tuning") or {}, tuned)
         self.scaler = Scaler(self, status.get("scaling") or {})
         self.metrics: Manifest | None = status.get("metrics")
-        self.view = PilotView()
+        self.view = PilotView(tuned)
         self.body: Manifest = {}
         self._token: str | None = None
         self._task: asyncio.Task[None] | None = None
@@ -295,11 +298,13 @@ class Pilots:
         pilot = self.pilots.get(key)
         return pilot.view if pilot is not None else None
 
-    def sync(self, key: Key, settings: PilotSettings | None, status: Mapping[str, Any]) -> None:
-        """Start, update or stop `key`'s pilot (None: the service is gone or needs none). Thread-safe."""
-        self.loop.call_soon_threadsafe(self._sync, key, settings, dict(status))
+    def sync(self, key: Key, settings: PilotSettings | None, status: Mapping[str, Any],
+             tuned: LiveConfig | None = None) -> None:
+        """Start, update or stop `key`'s pilot (None: the service is gone or needs none); a new
+        pilot starts from `status` and `tuned` (see `Pilot`). Thread-safe."""
+        self.loop.call_soon_threadsafe(self._sync, key, settings, dict(status), tuned)
 
-    def _sync(self, key: Key, settings: PilotSettings | None, status: Manifest) -> None:
+    def _sync(self, key: Key, settings: PilotSettings | None, status: Manifest, tuned: LiveConfig | None) -> None:
         if self.closed:
             return
         pilot = self.pilots.get(key)
@@ -309,7 +314,7 @@ class Pilots:
                 asyncio.ensure_future(pilot.stop())
             return
         if pilot is None:
-            pilot = self.pilots[key] = Pilot(key, self.kube, self.session, settings, status, self.poke)
+            pilot = self.pilots[key] = Pilot(key, self.kube, self.session, settings, status, tuned, self.poke)
             pilot.start()
         else:
             pilot.update(settings)

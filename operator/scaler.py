@@ -21,7 +21,7 @@ from .autoscale.history import scale_record
 from .autoscale.policy import decide_replicas, out_of_reach
 from .kube import ApiError
 from .status import condition
-from .tuner import _iso
+from .timestamps import iso
 
 if TYPE_CHECKING:
     from .pilot import Pilot, Pods
@@ -97,7 +97,7 @@ class Scaler:
                                 {"spec": {"replicas": decision.desired}}, "scale")
         self.state = decision.scaled_state
         pilot.coordination = pilot.coordination.scaled(now)
-        self.last_scale = _iso(now)
+        self.last_scale = iso(now)
         pilot.body.setdefault("spec", {})["replicas"] = decision.desired
         metrics.SCALING_DECISIONS.labels(key.namespace, key.name, direction).inc()
         pilot.record(scale_record(decision))

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from . import metrics
@@ -41,6 +40,7 @@ from .autotune.policy import decide
 from .autotune.scrape import ScrapeReport
 from .autotune.tuning_spec import EngineTarget
 from .status import condition
+from .timestamps import epoch, iso
 
 if TYPE_CHECKING:
     from .pilot import Pilot, Pods
@@ -48,30 +48,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Manifest = dict[str, Any]
-_CAMEL = {"block_size": "blockSize", "preemption_mode": "preemptionMode", "max_num_seqs": "maxNumSeqs",
-          "max_num_batched_tokens": "maxNumBatchedTokens", "scheduler_policy": "schedulerPolicy"}
-
-
-def to_status(config: LiveConfig) -> Manifest:
-    return {_CAMEL[k]: v for k, v in dataclasses.asdict(config).items()}
-
-
-def from_status(config: Manifest) -> LiveConfig | None:
-    try:
-        return LiveConfig(**{k: config[c] for k, c in _CAMEL.items()})
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _epoch(text: str | None) -> float | None:
-    try:
-        return datetime.strptime(text or "", "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
-    except ValueError:
-        return None
 
 
 def _knobs(c: LiveConfig) -> EngineTarget:
@@ -87,19 +63,44 @@ class Canary:
     pod: str
     since: float
     target: LiveConfig
-    previous: LiveConfig
+    previous: LiveConfig | None  # None: read back from a status that did not keep it (then the config in force)
     reason: str
+    reloaded: bool = False  # read back from status by a restarted operator: its windows before that are lost
+
+    def to_status(self) -> Manifest:
+        out = {"pod": self.pod, "since": iso(self.since), "target": self.target.to_status(),
+               "reason": _cut(self.reason)}
+        return out if self.previous is None else {**out, "previous": self.previous.to_status()}
+
+    @classmethod
+    def from_status(cls, status: Manifest | None) -> Canary | None:
+        """The canary an earlier operator left in status.tuning.canary, or None."""
+        status = status or {}
+        since, target = epoch(status.get("since")), LiveConfig.from_status(status.get("target"))
+        if not status.get("pod") or since is None or target is None:
+            return None
+        return cls(str(status["pod"]), since, target, LiveConfig.from_status(status.get("previous")),
+                   str(status.get("reason") or ""), reloaded=True)
+
+
+def _cut(text: str, limit: int = 1024) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 class Tuner:
-    def __init__(self, pilot: Pilot, status: Manifest) -> None:
+    def __init__(self, pilot: Pilot, status: Manifest, tuned: LiveConfig | None) -> None:
+        """`status`: status.tuning as an earlier operator left it; `tuned`: the tuned config it
+        left (the ConfigMap's or status's: `reconcile.recorded_tuned`)."""
         self.pilot = pilot
-        # `tuned`: the config tuning chose (status.tuning.config; what the ConfigMap or the flags
-        # carry); `config`: the one in force, the pods' own until tuning first changes it.
-        self.tuned: LiveConfig | None = from_status(status.get("config") or {})
+        # `tuned`: the config tuning chose (what the ConfigMap or the flags carry); `config`: the
+        # one in force, the pods' own until tuning first changes it.
+        self.tuned: LiveConfig | None = tuned
         self.config: LiveConfig | None = self.tuned
-        self.last_change = _epoch(status.get("lastChangeTime"))
-        self.canary: Canary | None = None
+        self.last_change = epoch(status.get("lastChangeTime"))
+        # a canary in progress when the operator stopped is judged on (or rolled back) by this one
+        self.canary: Canary | None = Canary.from_status(status.get("canary"))
+        if self.canary is not None:
+            pilot.coordination = pilot.coordination.tuning_started()
         self.pods: dict[str, tuple[int, str]] = {}
         self.condition: Manifest | None = None
         self.attempted: float | None = None  # a failed admin call: the cooldown runs from it
@@ -110,12 +111,11 @@ class Tuner:
         out: Manifest = {"pods": [{"pod": p, "blockSize": b, "preemptionMode": m}
                                   for p, (b, m) in sorted(self.pods.items())]}
         if self.tuned is not None:
-            out["config"] = to_status(self.tuned)
+            out["config"] = self.tuned.to_status()
         # None when there is none: the status patch then removes the last one
-        out["canary"] = None if self.canary is None else {
-            "pod": self.canary.pod, "since": _iso(self.canary.since), "target": to_status(self.canary.target)}
+        out["canary"] = None if self.canary is None else self.canary.to_status()
         if self.last_change is not None:
-            out["lastChangeTime"] = _iso(self.last_change)
+            out["lastChangeTime"] = iso(self.last_change)
         return {**out, **self.outcomes.to_status()}
 
     def _set(self, status: bool | None, reason: str, message: str) -> None:
@@ -142,12 +142,15 @@ class Tuner:
         admin = AdminClient(self.pilot.session, await self.pilot.admin_token(), timeout_s=10, attempts=3,
                             backoff_s=0.2)
         if self.config is None:
-            first = endpoints[min(endpoints)]
+            # the pods' own config; a reloaded canary's pod runs the target, so another is asked
+            others = [p for p in endpoints if self.canary is None or p != self.canary.pod]
             try:
-                self.config = await admin.get_config(first)
+                self.config = await admin.get_config(endpoints[min(others or endpoints)])
             except AdminError as exc:
                 self._set(False, "AdminCallFailed", str(exc))
                 return
+        if self.canary is not None and self.canary.previous is None:
+            self.canary = dataclasses.replace(self.canary, previous=self.config)
         if spec.apply == "rollout":
             await self._decide(now, endpoints, admin)
             return
@@ -241,44 +244,66 @@ class Tuner:
 
     async def _judge(self, now: float, endpoints: dict[str, PodEndpoint], admin: AdminClient) -> None:
         pilot, spec, canary = self.pilot, self.pilot.settings.tuning, self.canary
-        assert canary is not None
+        assert canary is not None and canary.previous is not None
         if canary.pod not in endpoints:
-            self.canary, self.last_change = None, now
-            pilot.coordination = pilot.coordination.tuning_settled(now)
-            self._set(True, "CanaryLost", f"canary pod {canary.pod} went away; the service stays on "
-                                          f"{_short(canary.previous)}")
+            message = f"canary pod {canary.pod} went away; the service stays on {_short(canary.previous)}"
+            self._settle(now, DecisionRecord(now, "tune", _short(canary.target), _short(canary.previous), message))
+            self._set(True, "CanaryLost", message)
+            await pilot.post_event("Warning", "TuningCanaryLost", message)
             return
         since = pilot.scraper.summaries(since=canary.since)
         baseline = [s for p, s in since.items() if p != canary.pod]
+        if not baseline and canary.reloaded and not (set(endpoints) - {canary.pod}):
+            # alone, a canary is judged against its own window before the change, which went
+            # with the operator that started it: nothing fair is left to judge it on
+            await self._roll_back(now, endpoints, admin, "the operator restarted during the canary and the "
+                                                         "window before the change, which a lone canary is "
+                                                         "judged against, was lost")
+            return
         if not baseline and (window := pilot.scraper.windows.get(canary.pod)) is not None:
             before = window.summarize(since=canary.since - spec.canary.window_s, until=canary.since)
             baseline = [before] if before is not None else []
         verdict = judge(since.get(canary.pod), baseline, canary.target, spec, elapsed_s=now - canary.since)
         if verdict.verdict == "wait":
             self._set(None, "CanaryInProgress", f"pod {canary.pod} tries {_short(canary.target)}: {verdict.reason}")
-            return
+        elif verdict.verdict == "promote":
+            await self._promote(now, endpoints, admin, verdict.reason)
+        else:
+            await self._roll_back(now, endpoints, admin, verdict.reason)
+
+    def _settle(self, now: float, record: DecisionRecord) -> None:
+        """The canary ends: the change and its verdict go into the history."""
         self.canary, self.last_change = None, now
-        pilot.coordination = pilot.coordination.tuning_settled(now)
-        if verdict.verdict == "promote":
-            failed = []
-            for pod in sorted(p for p in endpoints if p != canary.pod):
-                try:
-                    await self._apply(admin, endpoints[pod], canary.target)
-                    self.pods[pod] = (canary.target.block_size, canary.target.preemption_mode)
-                except AdminError as exc:
-                    failed.append(str(exc))
-            self.config = self.tuned = canary.target
-            self.pods[canary.pod] = (canary.target.block_size, canary.target.preemption_mode)
-            metrics.TUNING_DECISIONS.labels(*self._labels, "promoted").inc()
-            pilot.record(DecisionRecord(now, "tune", _short(canary.previous), _short(canary.target),
-                                        f"promoted from pod {canary.pod}: {verdict.reason}"))
-            message = f"{_short(canary.target)} promoted from pod {canary.pod} to every pod: {verdict.reason}"
-            if failed:  # the next passes converge them
-                self._set(False, "AdminCallFailed", f"{message}; not yet on: {'; '.join(failed)}")
-            else:
-                self._set(True, "Promoted", message)
-            await pilot.post_event("Normal", "TuningPromoted", message)
-            return
+        self.pilot.coordination = self.pilot.coordination.tuning_settled(now)
+        self.pilot.record(record)
+
+    async def _promote(self, now: float, endpoints: dict[str, PodEndpoint], admin: AdminClient, why: str) -> None:
+        pilot, canary = self.pilot, self.canary
+        assert canary is not None and canary.previous is not None
+        self._settle(now, DecisionRecord(now, "tune", _short(canary.previous), _short(canary.target),
+                                         f"promoted from pod {canary.pod}: {why}"))
+        failed = []
+        for pod in sorted(p for p in endpoints if p != canary.pod):
+            try:
+                await self._apply(admin, endpoints[pod], canary.target)
+                self.pods[pod] = (canary.target.block_size, canary.target.preemption_mode)
+            except AdminError as exc:
+                failed.append(str(exc))
+        self.config = self.tuned = canary.target
+        self.pods[canary.pod] = (canary.target.block_size, canary.target.preemption_mode)
+        metrics.TUNING_DECISIONS.labels(*self._labels, "promoted").inc()
+        message = f"{_short(canary.target)} promoted from pod {canary.pod} to every pod: {why}"
+        if failed:  # the next passes converge them
+            self._set(False, "AdminCallFailed", f"{message}; not yet on: {'; '.join(failed)}")
+        else:
+            self._set(True, "Promoted", message)
+        await pilot.post_event("Normal", "TuningPromoted", message)
+
+    async def _roll_back(self, now: float, endpoints: dict[str, PodEndpoint], admin: AdminClient, why: str) -> None:
+        pilot, canary = self.pilot, self.canary
+        assert canary is not None and canary.previous is not None
+        self._settle(now, DecisionRecord(now, "tune", _short(canary.target), _short(canary.previous),
+                                         f"rolled back on pod {canary.pod}: {why}"))
         try:
             await self._apply(admin, endpoints[canary.pod], canary.previous)
             self.pods[canary.pod] = (canary.previous.block_size, canary.previous.preemption_mode)
@@ -286,9 +311,7 @@ class Tuner:
             logger.warning(f"rolling back canary pod {canary.pod}: {exc}")
         metrics.TUNING_DECISIONS.labels(*self._labels, "rolled_back").inc()
         metrics.TUNING_ROLLBACKS.labels(*self._labels).inc()
-        pilot.record(DecisionRecord(now, "tune", _short(canary.target), _short(canary.previous),
-                                    f"rolled back on pod {canary.pod}: {verdict.reason}"))
-        message = f"pod {canary.pod} back to {_short(canary.previous)}: {verdict.reason}"
+        message = f"pod {canary.pod} back to {_short(canary.previous)}: {why}"
         self._set(True, "RolledBack", message)
         await pilot.post_event("Warning", "TuningRolledBack", message)
 

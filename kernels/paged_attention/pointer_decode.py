@@ -32,7 +32,7 @@ from kvpilot.kernels.paged_attention.launch_args import LaunchArgs
 from kvpilot.kernels.paged_attention.tiles import attend_keys, load_tile
 
 
-# Defaults from `benchmarks/bench_kernels.py --sweep` on an H200 (benchmarks/RESULTS.md, Kernels):
+# Defaults from `benchmarks/bench_kernels.py --sweep` (benchmarks/history/2026-12-03.md, "Kernels"):
 # what decides them is how many programs fit on an SM at once, set by registers and shared memory
 # (`benchmarks/compile_probe.py`); configs that leave a second, mostly empty wave are slower.
 # Block ids one tile ahead (prefetch) gained nothing measurable in decode, so it stays off here.
@@ -113,8 +113,8 @@ def _decode_kernel(
     (num_tokens, num_heads, num_splits) float32 twin. M is GROUP rounded up to a power of two
     >= 16 (a tl.dot dimension); rows past GROUP are masked. Slice `split` of a sequence is keys
     [split * L, (split + 1) * L) with L = _slice_len(its context, num_splits)."""
-    # KV head fastest: programs side by side share a sequence's cache rows (within noise of
-    # sequence-fastest order on an H200; kept)
+    # KV head fastest: programs side by side share a sequence's cache rows (sequence-fastest
+    # order timed within noise of it)
     kvh = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -137,7 +137,7 @@ def _decode_kernel(
     v_base = v_ptr + kvh * stride_vh
     if q_end - q_start == 1:
         # the decode case, kept out of any outer loop: nested in the token loop below, the tile
-        # loop compiles to slower code (benchmarks/RESULTS.md: the multi-token loop)
+        # loop compiles to slower code (benchmarks/history/2026-12-03.md, "Kernels": the multi-token loop)
         _decode_token(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_base, v_base, table, q_start,
                       ctx, split, split_size, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_kb, stride_ks, stride_vb, stride_vs, stride_pt, stride_ph, stride_ps,
@@ -205,7 +205,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
     if programs >= 2 * sms:
         return 1
     # at most one wave of two programs per SM, rounded down: one program past a full wave leaves
-    # a second, nearly empty one (benchmarks/RESULTS.md, split-KV)
+    # a second, nearly empty one (benchmarks/history/2026-12-03.md, "Kernels": split-KV)
     by_occupancy = max(1, (2 * sms) // programs)
     by_length = cdiv(max_context, min_split)
     return max(1, min(by_occupancy, by_length, 64))

@@ -14,7 +14,7 @@ from kvpilot.kernels.paged_attention.launch_args import LaunchArgs
 from kvpilot.kernels.paged_attention.tiles import attend_keys, load_tile
 
 
-# Defaults from `benchmarks/bench_kernels.py --sweep` on an H200 (benchmarks/RESULTS.md, Kernels).
+# Defaults from `benchmarks/bench_kernels.py --sweep` (benchmarks/history/2026-12-03.md, "Kernels").
 # Block ids one tile ahead let the pipeliner keep two K/V buffers in flight, which this
 # compute-bound kernel uses; larger tiles were faster on chunked prefill only and slower on
 # prefill, so one default covers both.
