@@ -25,9 +25,15 @@ PACKAGES = {"kvpilot.kernels": "kernels", "kvpilot.runtime": "runtime", "kvpilot
 RUNTIME_LAYERS: list[tuple[str, list[str]]] = [
     ("kernels", ["kvpilot.kernels"]),
     ("runtime base", ["kvpilot.runtime.config", "kvpilot.runtime.args", "kvpilot.runtime.sampling_params",
-                      "kvpilot.runtime.outputs", "kvpilot.runtime.model_source", "kvpilot.runtime.errors"]),
+                      "kvpilot.runtime.outputs", "kvpilot.runtime.model_source", "kvpilot.runtime.errors",
+                      "kvpilot.runtime.tokenizer"]),
+    # tensors: the engine core process (and tensor-parallel workers); the runner knows no Sequence
     ("executor", ["kvpilot.runtime.executor"]),
+    # the engine's bookkeeping, torch-free
+    ("sched", ["kvpilot.runtime.sched"]),
+    # the engine core process of `kvpilot serve` (LLM's own process offline): the step and the busy loop
     ("engine", ["kvpilot.runtime.engine"]),
+    # the API process of `kvpilot serve`: HTTP, AsyncEngine (the core's client), output processing
     ("server", ["kvpilot.runtime.server"]),
     ("front doors", ["kvpilot.runtime", "kvpilot.runtime.llm", "kvpilot.runtime.cli", "kvpilot.runtime.generate_cli"]),
 ]
@@ -45,10 +51,10 @@ FORBIDDEN = {
     "kernels": {"transformers"},
 }
 # Modules that must stay torch-free (their tests run with torch blocked).
-TORCH_FREE = ["kvpilot.runtime.engine.scheduler", "kvpilot.runtime.engine.block_manager",
-              "kvpilot.runtime.engine.sequence", "kvpilot.runtime.engine.step_inputs",
-              "kvpilot.runtime.engine.policies", "kvpilot.runtime.engine.host_blocks",
-              "kvpilot.runtime.engine.relayout",
+TORCH_FREE = ["kvpilot.runtime.sched.scheduler", "kvpilot.runtime.sched.block_manager",
+              "kvpilot.runtime.sched.sequence", "kvpilot.runtime.engine.step_inputs",
+              "kvpilot.runtime.sched.policies", "kvpilot.runtime.sched.host_blocks",
+              "kvpilot.runtime.sched.relayout",
               "kvpilot.runtime.executor.inputs", "kvpilot.runtime.cli"]
 
 LAYER_ORDER = [name for name, _ in RUNTIME_LAYERS]
@@ -182,7 +188,9 @@ def test_forbidden_third_party_imports() -> None:
 
 @pytest.mark.parametrize("importer,imported,allowed", [
     ("kvpilot.runtime.engine.engine", "kvpilot.runtime.executor.model_runner", True),
-    ("kvpilot.runtime.executor.model_runner", "kvpilot.runtime.engine.scheduler", False),
+    ("kvpilot.runtime.executor.model_runner", "kvpilot.runtime.sched.scheduler", False),
+    ("kvpilot.runtime.sched.scheduler", "kvpilot.runtime.engine.engine", False),
+    ("kvpilot.runtime.engine.core", "kvpilot.runtime.server.async_engine", False),
     ("kvpilot.kernels.ops", "kvpilot.runtime.config", False),
     ("kvpilot.runtime.server.app", "kvpilot.runtime.llm", False),
     ("kvpilot.operator.reconcile", "kvpilot.runtime.config", False),

@@ -10,7 +10,7 @@ num_kv_heads, head_dim) view.
 
 `KVCacheLayout` is what the runner reports when it builds or re-cuts the cache; the engine sizes
 its block manager and swap space from it. `relayout` carries out a `RelayoutPlan`
-(engine/relayout.py) on flat cache tensors of one layout — the device cache and the host swap
+(sched/relayout.py) on flat cache tensors of one layout — the device cache and the host swap
 space alike — in batches whose temporary memory the plan bounds.
 """
 
@@ -35,7 +35,7 @@ class Writes(Protocol):  # engine.relayout.Writes
     src: np.ndarray  # (n, k) old blocks, -1 past a sequence's end
 
 
-class Plan(Protocol):  # engine.relayout.RelayoutPlan, by shape (the executor does not import the engine)
+class Plan(Protocol):  # sched.relayout.RelayoutPlan, by shape (the executor does not import the engine)
     old_block_size: int
     new_block_size: int
     num_old_blocks: int

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
-from kvpilot.runtime.engine.tokenizer import load_tokenizer
 from kvpilot.runtime.server.errors import check_token
 from kvpilot.runtime.server.protocol import APIError
+from kvpilot.runtime.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from kvpilot.runtime.server.app import ServerState

@@ -43,10 +43,10 @@ from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, ClassVar
 
 from kvpilot.runtime.config import SchedulerConfig
-from kvpilot.runtime.engine.sequence import DEFAULT_TENANT, Sequence
+from kvpilot.runtime.sched.sequence import DEFAULT_TENANT, Sequence
 
 if TYPE_CHECKING:
-    from kvpilot.runtime.engine.scheduler import Scheduler
+    from kvpilot.runtime.sched.scheduler import Scheduler
 
 __all__ = ["DEFAULT_TENANT", "AdmissionCursor", "FairPolicy", "FcfsPolicy", "Policy", "PriorityPolicy", "make_policy"]
 
