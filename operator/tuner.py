@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import metrics
 from .autoscale.history import DecisionRecord, tune_record
@@ -39,6 +39,7 @@ from .autotune.outcomes import Outcomes
 from .autotune.policy import decide
 from .autotune.scrape import ScrapeReport
 from .autotune.tuning_spec import EngineTarget
+from .objects import Manifest
 from .status import condition
 from .timestamps import epoch, iso
 
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Manifest = dict[str, Any]
 
 
 def _knobs(c: LiveConfig) -> EngineTarget:
