@@ -42,7 +42,7 @@ class SafetensorsSlice:
 
     def read(self, dim: int | None = None, start: int = 0, length: int = 0) -> torch.Tensor:
         if dim is None:
-            t = self._slice[:]
+            t = self._slice[...]  # any number of dims, none included (a per-tensor scale)
         elif dim == 0:
             t = self._slice[start:start + length]
         else:
@@ -93,6 +93,7 @@ def load_model(config: ModelConfig, device: str, tp: TPInfo | None = None) -> tu
     finally:
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)
+    model.set_kv_scales(torch.ones(2))  # buffers are not parameters: no format fills them
     if config.load_format == "dummy":
         _fill_dummy(model, config.seed + (tp.rank if tp else 0))
     else:

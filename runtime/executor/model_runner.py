@@ -17,7 +17,7 @@ import torch
 
 from kvpilot.kernels import ops as kernel_ops
 from kvpilot.runtime.config import BLOCK_SIZES, EngineConfig
-from kvpilot.runtime.executor import kv_cache
+from kvpilot.runtime.executor import kv_cache, kv_scales
 from kvpilot.runtime.executor.batch import fill_pending, to_device, to_tensors
 from kvpilot.runtime.executor.cpu_linear import pack_linears
 from kvpilot.runtime.executor.cuda_graphs import DecodeGraphs, GraphsBySize, model_forward
@@ -57,13 +57,15 @@ class ModelRunner:
         self.layout = KVCacheLayout(
             block_size=config.cache.block_size, num_blocks=0, capacity_tokens=0,
             num_layers=self.model_config.num_layers, num_kv_heads=self.num_kv_heads,
-            head_dim=self.model_config.head_dim, dtype=self.dtype, device=str(self.device),
+            head_dim=self.model_config.head_dim, device=str(self.device),
+            dtype=kv_cache.cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device),
             head_major=self.device.type == "cuda",  # the decode kernel streams each (block, KV head) as one run
             swap_capacity_tokens=0)
         self.layout = dataclasses.replace(  # --swap-space GiB, per rank under tensor parallelism
             self.layout, swap_capacity_tokens=int(config.cache.swap_space_gib * GiB) // self.layout.bytes_per_token)
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self.swap_space: SwapSpace | None = None  # made once the KV cache exists
+        self.kv_scales_source = self._settle_kv_scales()  # before any step writes an FP8 cache
         num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
         self.layout = dataclasses.replace(self.layout, num_blocks=num_blocks, capacity_tokens=num_blocks * self.block_size)
         # one allocation for the runner's life: a block-size change re-cuts it in place (kv_cache.py)
@@ -172,6 +174,30 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         return self.layout.bytes_per_block
+
+    def _settle_kv_scales(self) -> str | None:
+        """An FP8 cache's scales, settled as kv_scales.py says; where they came from (None for a
+        cache of the model's dtype, which needs none)."""
+        if self.layout.dtype == self.dtype:
+            return None
+        calculate = self.config.cache.calculate_kv_scales
+        if calculate or (calculate is None and not self.model.kv_scales_from_checkpoint):
+            n = min(kv_scales.CALIBRATION_TOKENS, self.config.model.max_model_len,
+                    self.config.scheduler.max_num_batched_tokens)
+            inputs = kv_scales.calibration_step(self.model_config.vocab_size, n, self.config.model.seed,
+                                                self.block_size)
+            scratch = dataclasses.replace(self.layout, dtype=self.dtype)  # unquantised, as the model computes
+            num_blocks = len(inputs.block_tables[0])
+            caches = kv_cache.views(kv_cache.allocate(scratch, num_blocks * self.block_size), scratch,
+                                    num_blocks=num_blocks)
+            self.model.set_kv_scales(kv_scales.measure(lambda c: self._probe(inputs, c, self.block_size), caches))
+            source = f"measured on {n} calibration tokens"
+        else:
+            source = "from the checkpoint" if self.model.kv_scales_from_checkpoint else "1.0 (no calibration)"
+        scales = torch.stack([layer.kv_scales for layer in self.model.layers]).cpu()
+        logger.info("FP8 KV cache: scales %s, k %.3g..%.3g, v %.3g..%.3g", source, scales[:, 0].min(),
+                    scales[:, 0].max(), scales[:, 1].min(), scales[:, 1].max())
+        return source
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
