@@ -74,9 +74,9 @@ class EngineArgs:
             batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
         device = self.device
         if device == "auto":
-            import torch
+            from kvpilot.runtime.cuda_probe import cuda_available
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = "cuda" if cuda_available() else "cpu"
         model = ModelConfig(
             model=source.path,
             served_model_name=self.served_model_name or source.name,

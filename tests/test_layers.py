@@ -25,7 +25,8 @@ PACKAGES = {"kvpilot.kernels": "kernels", "kvpilot.runtime": "runtime", "kvpilot
 RUNTIME_LAYERS: list[tuple[str, list[str]]] = [
     ("kernels", ["kvpilot.kernels"]),
     ("runtime base", ["kvpilot.runtime.config", "kvpilot.runtime.args", "kvpilot.runtime.sampling_params",
-                      "kvpilot.runtime.outputs", "kvpilot.runtime.model_source", "kvpilot.runtime.errors"]),
+                      "kvpilot.runtime.outputs", "kvpilot.runtime.model_source", "kvpilot.runtime.errors",
+                      "kvpilot.runtime.startup", "kvpilot.runtime.cuda_probe", "kvpilot.runtime.caches"]),
     ("executor", ["kvpilot.runtime.executor"]),
     ("engine", ["kvpilot.runtime.engine"]),
     ("server", ["kvpilot.runtime.server"]),
@@ -41,14 +42,15 @@ SEPARATE: dict[str, tuple[list[str], set[str]]] = {
 # Third-party packages a layer never imports (directly), and why.
 FORBIDDEN = {
     "operator": {"torch", "triton", "transformers"},  # the operator image has none of them
-    "bench": {"triton", "transformers"},  # torch only in `bench throughput` (its copy-rate probe)
+    # torch only in `bench throughput` (its copy-rate probe) and `bench startup` (writing a checkpoint)
+    "bench": {"triton", "transformers"},
     "kernels": {"transformers"},
 }
 # Modules that must stay torch-free (their tests run with torch blocked).
 TORCH_FREE = ["kvpilot.runtime.engine.scheduler", "kvpilot.runtime.engine.block_manager",
               "kvpilot.runtime.engine.sequence", "kvpilot.runtime.engine.step_inputs",
               "kvpilot.runtime.engine.policies", "kvpilot.runtime.engine.host_blocks",
-              "kvpilot.runtime.engine.relayout",
+              "kvpilot.runtime.engine.relayout", "kvpilot.runtime.engine.warm_up",
               "kvpilot.runtime.executor.inputs", "kvpilot.runtime.cli"]
 
 LAYER_ORDER = [name for name, _ in RUNTIME_LAYERS]

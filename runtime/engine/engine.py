@@ -49,6 +49,7 @@ from kvpilot.runtime.engine.sequence import (
 )
 from kvpilot.runtime.engine.step_inputs import build_step_inputs
 from kvpilot.runtime.engine.tokenizer import Tokenizer, encode_prompt
+from kvpilot.runtime.engine.warm_up import WarmUp
 from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.executor.inputs import StepInputs
 from kvpilot.runtime.executor.model_runner import ModelRunner
@@ -56,6 +57,7 @@ from kvpilot.runtime.executor.sampler import DevicePromptLogprobs, DeviceSample,
 from kvpilot.runtime.executor.worker import Workers
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.startup import StartupLog
 
 logger = logging.getLogger(__name__)
 
@@ -138,11 +140,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._workers: Workers | None = None
+        # where start-up time goes (runtime/startup.py); `kvpilot serve` reports it at Ready
+        self.startup = StartupLog("core")
         tp = None
         if config.device.tensor_parallel_size > 1:
-            self._workers, tp = Workers.start(config)
+            with self.startup.phase("tp_workers", count=config.device.tensor_parallel_size - 1):
+                self._workers, tp = Workers.start(config)
         try:
-            self.runner = ModelRunner(config, tp)
+            self.runner = ModelRunner(config, tp, self.startup)
         except BaseException as error:
             if self._workers is None:
                 raise
@@ -151,11 +156,14 @@ class LLMEngine:
             if failure is error:
                 raise
             raise failure from error
-        self.tokenizer = Tokenizer(config.model.tokenizer) if config.model.tokenizer else None
+        with self.startup.phase("tokenizer"):
+            self.tokenizer = Tokenizer(config.model.tokenizer) if config.model.tokenizer else None
         layout = self.runner.layout  # the owner of the block size and the block counts
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, layout.num_swap_blocks)
-        warm_up_block_switches(self.scheduler, self.block_manager, self.runner)
+        # what serving does not need yet: other block sizes' kernels and graphs, the switch pass
+        self.warm_up = WarmUp(self.runner.prepare_later(),
+                              lambda: warm_up_block_switches(self.scheduler, self.block_manager, self.runner))
         self.last_relayout: RelayoutReport | None = None
         self.requests: dict[str, Request] = {}
         self._unscheduled: set[str] = set()  # ids of the requests no step has scheduled yet
