@@ -178,6 +178,7 @@ def start_once(flags: list[str], reader: str, timeout: float, wait_after_ready: 
     try:
         body = _wait_ready(base, proc, log_path, started + timeout)
         ready = time.time()
+        cpu_s = cpu_seconds(proc.pid)  # load-independent: what the start cost, not how long it waited
         request_s = _one_request(base)
         after = _wait_after_ready(log_path, wait_after_ready) if wait_after_ready > 0 else None
     finally:
@@ -189,8 +190,23 @@ def start_once(flags: list[str], reader: str, timeout: float, wait_after_ready: 
             proc.wait()
     record = body.get("startup") or {}
     log_path.unlink(missing_ok=True)
-    return {"ready_wall_s": round(ready - started, 3), "ready_s": record.get("ready_s"),
+    return {"ready_wall_s": round(ready - started, 3), "ready_s": record.get("ready_s"), "cpu_s": cpu_s,
             "phases": record.get("phases", []), "first_request_s": round(request_s, 3), "after_ready": after}
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) that a process and its descendants have used so far, from /proc
+    (0 where unreadable)."""
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except (OSError, ValueError, IndexError):
+        return total
+    return round(total + sum(cpu_seconds(c) for c in children), 2)
 
 
 def _wait_ready(base: str, proc: subprocess.Popen[bytes], log_path: Path, deadline: float) -> dict[str, Any]:
@@ -246,6 +262,7 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
             phases.setdefault(key, []).append(p["seconds"])
             details[key] = {k: v for k, v in p.items() if k not in ("name", "process", "start_s", "seconds")}
     return {"ready_wall_s": statistics.median(r["ready_wall_s"] for r in runs),
+            "cpu_s": statistics.median(r["cpu_s"] for r in runs),
             "first_request_s": statistics.median(r["first_request_s"] for r in runs),
             "phases": {k: {"seconds": round(statistics.median(v), 3), **details[k]} for k, v in phases.items()}}
 
@@ -263,7 +280,8 @@ def print_table(result: dict[str, Any]) -> None:
             p = c["median"]["phases"].get(name)
             cells.append(f"{p['seconds']:>22.3f}" if p else f"{'-':>22}")
         print(f"{name:<24}" + "".join(cells))
-    for label, key in (("process start -> Ready", "ready_wall_s"), ("first request", "first_request_s")):
+    for label, key in (("process start -> Ready", "ready_wall_s"), ("CPU seconds to Ready", "cpu_s"),
+                       ("first request", "first_request_s")):
         print(f"{label:<24}" + "".join(f"{c['median'][key]:>22.3f}" for c in conditions))
     if "disk" in result:
         gb = result["checkpoint_bytes"] / 1e9

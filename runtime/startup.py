@@ -21,16 +21,16 @@ from typing import Any
 
 
 def process_start_time(pid: int | None = None) -> float:
-    """When a process began (epoch seconds), from /proc on Linux; now where that is unreadable."""
+    """When a process began (epoch seconds), from /proc on Linux (clock ticks after boot, set
+    against the boot clock now: /proc/stat's boot time is whole seconds); now where unreadable."""
     try:
         with open(f"/proc/{pid or os.getpid()}/stat") as f:
             # the command name may hold spaces and parentheses: fields count from the last ')'
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
+    return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 @dataclass

@@ -37,6 +37,23 @@ def hf_config_of(config: ModelConfig) -> dict[str, Any]:
     return result
 
 
+def _materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Give every parameter and buffer of a model built on the meta device uninitialised memory on
+    `device` (what `Module.to_empty` does, but through `torch.empty`: `to_empty`'s `empty_like` of a
+    meta tensor runs a Python decomposition whose first use imports sympy, seconds of start-up)."""
+    made: dict[int, torch.Tensor] = {}  # a tensor shared by two modules stays shared
+    for module in model.modules():
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for tensors in tables:
+            for name, t in tensors.items():
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    made[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+                tensors[name] = made[id(t)]
+
+
 def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -62,7 +79,7 @@ def load_model(config: ModelConfig, device: str, tp: TPInfo | None = None,
                 model = LlamaForCausalLM(cfg, tp)
         finally:
             torch.set_default_dtype(previous)
-        model = model.to_empty(device=device)
+        _materialize(model, torch.device(device))
     if config.load_format == "dummy":
         with startup.phase("weights", reader="dummy"):
             _fill_dummy(model, config.seed + (tp.rank if tp else 0))

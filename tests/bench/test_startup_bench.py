@@ -18,7 +18,7 @@ from kvpilot.runtime.model_source import load_preset
 # phases every `kvpilot serve` start records (runtime/startup.py), API process and engine core
 API_PHASES = {"interpreter", "config", "server_imports", "tokenizer", "engine_core"}
 CORE_PHASES = {"core_imports", "model_init", "weights", "cpu_pack", "kernel_select", "kv_profile", "kv_alloc",
-               "swap_alloc", "tokenizer"}
+               "swap_alloc", "eos_token_ids"}
 
 
 def parse(*argv: str) -> argparse.Namespace:

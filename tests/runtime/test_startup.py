@@ -113,3 +113,17 @@ def test_cuda_probe_agrees_with_torch_without_importing_it() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONSAFEPATH": "1"}).stdout.split()
     assert out == [str(torch.cuda.is_available()), "False"]
+
+
+def test_eos_ids_read_from_the_files_equal_the_loaded_tokenizers(smol_folder: str, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from kvpilot.runtime.engine.tokenizer import Tokenizer, eos_token_ids
+
+    assert eos_token_ids(smol_folder) == Tokenizer(smol_folder).eos_token_ids
+    # an eos token named only by its added-token entry, and a generation config adding another
+    folder = tmp_path / "tok"
+    shutil.copytree(smol_folder, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert eos_token_ids(str(folder)) == Tokenizer(str(folder)).eos_token_ids
