@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpilot serve: error: {_as_flag(str(e))}", file=sys.stderr)
         return 2
 
-    from kvpilot.runtime.engine.async_engine import AsyncEngine
+    from kvpilot.runtime.server.async_engine import AsyncEngine
 
     # the core first: it imports torch and builds its engine while this process imports the
     # server (FastAPI: seconds) and loads the tokenizer

@@ -119,7 +119,7 @@ def test_eos_ids_read_from_the_files_equal_the_loaded_tokenizers(smol_folder: st
     import json
     import shutil
 
-    from kvpilot.runtime.engine.tokenizer import Tokenizer, eos_token_ids
+    from kvpilot.runtime.tokenizer import Tokenizer, eos_token_ids
 
     assert eos_token_ids(smol_folder) == Tokenizer(smol_folder).eos_token_ids
     # an eos token named only by its added-token entry, and a generation config adding another
