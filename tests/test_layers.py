@@ -25,7 +25,8 @@ PACKAGES = {"kvpilot.kernels": "kernels", "kvpilot.runtime": "runtime", "kvpilot
 RUNTIME_LAYERS: list[tuple[str, list[str]]] = [
     ("kernels", ["kvpilot.kernels"]),
     ("runtime base", ["kvpilot.runtime.config", "kvpilot.runtime.args", "kvpilot.runtime.sampling_params",
-                      "kvpilot.runtime.outputs", "kvpilot.runtime.model_source", "kvpilot.runtime.errors"]),
+                      "kvpilot.runtime.outputs", "kvpilot.runtime.model_source", "kvpilot.runtime.errors",
+                      "kvpilot.runtime.quantization"]),
     ("executor", ["kvpilot.runtime.executor"]),
     ("engine", ["kvpilot.runtime.engine"]),
     ("server", ["kvpilot.runtime.server"]),
@@ -49,7 +50,7 @@ TORCH_FREE = ["kvpilot.runtime.engine.scheduler", "kvpilot.runtime.engine.block_
               "kvpilot.runtime.engine.sequence", "kvpilot.runtime.engine.step_inputs",
               "kvpilot.runtime.engine.policies", "kvpilot.runtime.engine.host_blocks",
               "kvpilot.runtime.engine.relayout",
-              "kvpilot.runtime.executor.inputs", "kvpilot.runtime.cli"]
+              "kvpilot.runtime.executor.inputs", "kvpilot.runtime.cli", "kvpilot.runtime.quantization"]
 
 LAYER_ORDER = [name for name, _ in RUNTIME_LAYERS]
 
