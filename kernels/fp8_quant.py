@@ -20,7 +20,8 @@ import triton.language as tl
 from kvpilot.kernels.activation import silu_mul
 from kvpilot.kernels.checks import FLOAT_DTYPES, check_tensor
 from kvpilot.kernels.host import INTERPRETING
-from kvpilot.kernels.reference import FP8, FP8_MAX, FP8_MIN_SCALE
+from kvpilot.kernels.kv_quant import FP8, FP8_MAX
+from kvpilot.kernels.reference import FP8_MIN_SCALE
 
 __all__ = ["FP8", "check_static_scale", "quantize_fp8", "quantize_row", "row_scale", "silu_and_mul_fp8"]
 

@@ -1,10 +1,11 @@
 """Linear layers with weights pre-packed for oneDNN, for the CPU engine.
 
 A decode step multiplies a few rows (one per running sequence) by every weight matrix, so it is
-bound by reading the weights. Through `F.linear` the GEMM library appears to re-pack a cold
-weight on every call; packed once for oneDNN, the same product reads it at about twice the rate
-(benchmarks/RESULTS.md, "Engine core on CPU"). The packed product is not bit-identical to
-`F.linear` (the blocked kernel sums in another order: relative differences near 4e-7 in fp32).
+bound by reading the weights. Through `F.linear` such a product reads a cold weight at well under
+the memory's rate (the GEMM library appears to re-pack the weight on every call); packed once for
+oneDNN it does not (benchmarks/history/2026-12-03.md, "Engine core on CPU"). The packed
+product is not bit-identical to `F.linear` (the blocked kernel sums in another order: relative
+differences near 4e-7 in fp32).
 
 `pack_linears` gives every quantized-linear layer (`quant.Linear`) a packed copy of the weight its
 method multiplies by (a plain weight itself, which the packed copy then replaces so memory does

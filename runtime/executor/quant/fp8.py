@@ -23,8 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvpilot.kernels.kv_quant import FP8
 from kvpilot.kernels.ops import Ops
-from kvpilot.kernels.reference import FP8, quantize_fp8
+from kvpilot.kernels.reference import quantize_fp8
 from kvpilot.runtime.executor.quant.base import (
     Linear,
     LinearMethod,

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels.reference import FP8, quantize_fp8
+from kvpilot.kernels.kv_quant import FP8
+from kvpilot.kernels.reference import quantize_fp8
 from kvpilot.runtime.executor.parallel import TPInfo
 from kvpilot.runtime.executor.quant.base import Linear, QuantizedInput
 from kvpilot.runtime.executor.quant.fp8 import Fp8Method, Fp8Scheme
