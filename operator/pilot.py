@@ -38,6 +38,7 @@ from .autoscale.calculator import PodState
 from .autoscale.coordination import Coordination
 from .autoscale.history import DecisionRecord, appended
 from .autoscale.scaling_spec import ScalingSpec
+from .autoscale.startup import PodStartup, pod_startup
 from .autotune.endpoint import PodEndpoint
 from .autotune.live_config import EngineLimits, LiveConfig
 from .autotune.scrape import ScrapeReport, ServiceScraper
@@ -111,6 +112,7 @@ class Pods:
     # the pod templates (the Deployment's pod-template-hash labels) of every pod, whatever its
     # state: more than one while a rollout replaces the pods of one spec with another's
     templates: frozenset[str] = frozenset()
+    startups: tuple[PodStartup, ...] = ()  # the Ready pods' creation to Ready
 
 
 def classify(pods: list[Manifest]) -> Pods:
@@ -135,7 +137,8 @@ def classify(pods: list[Manifest]) -> Pods:
             endpoints.append(PodEndpoint(name, status["podIP"], _serving_port(pod)))
         else:
             states[name] = "starting"
-    return Pods(states, sorted(endpoints, key=lambda e: e.pod), costs, frozenset(templates))
+    startups = tuple(startup for pod in pods if (startup := pod_startup(pod)) is not None)
+    return Pods(states, sorted(endpoints, key=lambda e: e.pod), costs, frozenset(templates), startups)
 
 
 def _serving_port(pod: Manifest) -> int:

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 from . import metrics
 from .autoscale.behavior import ScalerState
 from .autoscale.deletion_cost import cost_patch, deletion_costs
+from .autoscale.forecast import Forecast, RateSeries, look_ahead
 from .autoscale.history import scale_record
 from .autoscale.policy import decide_replicas, out_of_reach
+from .autoscale.startup import Startup
 from .kube import ApiError
 from .status import condition
 from .tuner import _iso
@@ -41,6 +43,9 @@ class Scaler:
         self.last_scale: str | None = status.get("lastScaleTime")
         self.condition: Manifest | None = None
         self.unreachable: str | None = None  # why the target is out of the pods' reach, while it is
+        self.startup = Startup.from_status(status.get("startup") or {})
+        self.rates = RateSeries()  # one pass's arrival rate a point; a restarted operator starts anew
+        self.forecast: Forecast | None = None
 
     def status(self) -> Manifest:
         out: Manifest = {}
@@ -48,6 +53,12 @@ class Scaler:
                            ("lastScaleTime", self.last_scale)):
             if value is not None:
                 out[key] = round(value, 6) if isinstance(value, float) else value
+        if startup := self.startup.to_status():
+            out["startup"] = startup
+        if self.forecast is not None:
+            out["forecast"] = {"arrivalRate": round(self.forecast.rate_now, 4),
+                               "forecastRate": round(self.forecast.rate_ahead, 4),
+                               "horizonSeconds": round(self.forecast.horizon_s, 1)}
         return out
 
     async def keep_deletion_costs(self, pods: Pods, now: float) -> None:
@@ -75,7 +86,11 @@ class Scaler:
         key = pilot.key
         current = int(pilot.body.get("spec", {}).get("replicas", 1))
         summaries = pilot.scraper.summaries(since=now - spec.window)
-        decision = decide_replicas(summaries, pods.states, current, spec, self.state, now=now)
+        self.startup = self.startup.measured(pods.startups)
+        self.rates, self.forecast = look_ahead(self.rates, pilot.scraper.summaries(since=now - spec.interval),
+                                               pods.states, now, spec, self.startup.seconds)
+        decision = decide_replicas(summaries, pods.states, current, spec, self.state, now=now,
+                                   forecast=self.forecast)
         self.value = decision.value if decision.value is not None else self.value
         await self.check_target(now, pods)  # the Event; the decision says it too (TargetUnreachable)
         metrics.DESIRED_REPLICAS.labels(key.namespace, key.name).set(decision.desired)
