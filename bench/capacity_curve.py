@@ -13,9 +13,8 @@ points, or `{"description": "...", "points": [...]}`. Each point is one steady l
   `kv_cache_usage` (0-1), `num_requests_waiting`, `num_requests_running`, `preemptions_per_s`.
   A gauge must be on every point or on none; a policy whose signal no point carries is skipped.
 A finite run never completes its full rate, so completed/offered cannot tell saturation: a run of N
-requests lasts its arrival span plus its last requests' latency, and its span is random (a
-300-request run at 32 req/s lasts about 10 s plus a 2 s tail; one of 24 requests comes ±20% off
-its rate by its arrivals alone). A point is *saturated* when it shows what a saturated server
+requests lasts its arrival span plus its last requests' latency, and its span is random (a run
+of 24 Poisson arrivals comes about ±20% off its rate by its arrivals alone). A point is *saturated* when it shows what a saturated server
 shows, a queue that builds over the run instead of a first token at the unsaturated speed:
 * its mean `num_requests_waiting` reaches a quarter of the unbounded run's (when both carry it and
   the unbounded run queued at all). A run offered λ over a capacity μ ends its arrivals with

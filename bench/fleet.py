@@ -15,9 +15,9 @@ Time advances in ticks. In each tick:
   times the P50 needs 1.2 of them), and a request is done when the clock has advanced by its
   work. At a steady load that is its drawn E2E; when a removed replica stops receiving requests,
   it serves its queue at the capacity, then the rest at the lowest-load speed (`drain_s`). That
-  is what the measured finite runs show: on the H200 the last answer came 1.6-2.1 s after the
-  last send at 8-32 req/s, about the E2E at the lowest rate (1.76 s), while the E2E at the
-  offered rate grew to 4.0 s; a new request's prefill, not the batch it joins, slows the others;
+  is what the measured finite runs show: their last answer came about the lowest rate's E2E after
+  the last send, whatever the E2E at the offered rate (benchmarks/history/2026-12-04.md, "The drain modelled"); a new
+  request's prefill, not the batch it joins, slows the others;
 * preemptions are counted at the curve's rate, and each TTFT in the runtime's histogram buckets.
 Scrapes, every `Pipeline.scrape_interval_s` from `Pipeline.phase_s`, record each Ready
 replica's gauges as a scrape sees them: varying around the curve's means at its load (waiting a

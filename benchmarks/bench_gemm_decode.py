@@ -16,8 +16,8 @@ whether the output is identical, else the largest difference):
   triton_k2   the same with the reduction split in two (float32 partials, then a sum kernel):
               twice the work items for the shapes whose tiles do not fill the SMs
 
-At batch 256 the step's products are compute-bound (RESULTS: 6.08 ms for 3.8 TFLOP at context
-~1,024); this says whether another library path or layout reaches more of the chip's rate.
+At batch 256 the step's products are compute-bound (benchmarks/RESULTS.md, "Where the batch-256
+step goes"); this says whether another library path or layout reaches more of the chip's rate.
 
 Usage (GPU): PYTHONSAFEPATH=1 python3 benchmarks/bench_gemm_decode.py [--batches 1 256] [--out FILE.json]
 """

@@ -38,7 +38,7 @@ import triton
 from torch.nn import functional as F
 
 RESULTS = Path(__file__).parent / "RESULTS.md"
-SECTION = "## Kernels (issue 5)"
+SECTION = "## Kernels"
 
 
 def merge_section(section: str, path: Path = RESULTS) -> None:
@@ -230,7 +230,7 @@ class Bench:
                 ms = self.time_ms(partial(F.scaled_dot_product_attention, qb, k, v, scale=scale, enable_gqa=True))
                 self.record("decode", "peer: SDPA on contiguous KV", ms, TBps=kv_bytes / ms / 1e9)
                 # the gather peer indexes the cache with torch: give it the contiguous layout (on the
-                # strided head-major one it ran 1.15 ms instead of 0.43 at 8fec3d2)
+                # strided head-major one torch's gather is much slower)
                 _, k_cache, v_cache, tables, _, _ = token_major
                 ms = self.time_ms(partial(gather_then_sdpa, qb, k_cache, v_cache, tables, scale))
                 del token_major, k_cache, v_cache
@@ -505,7 +505,9 @@ class Bench:
             target = "—" if group == "kv write" else ">= 80% of copy"
             lines.append(f"| {name} | {ms(group, name):.4f} ms | {get(group, name, 'TBps'):.2f} TB/s "
                          f"({of:.1%} of copy) | {target} | {'' if group == 'kv write' else verdict(of >= 0.8)} |")
-        lines += ["", f"Block sizes 8/32/64 against block 16: largest difference {spread:.1%}.", ""]
+        lines += ["", f"Block sizes 8/32/64 against block 16: largest difference {spread:.1%}. Earlier calls, the "
+                  "tile sweeps and the experiments behind each default: [history](history/README.md), "
+                  '"Kernels (issue 5)".', ""]
         return "\n".join(lines)
 
     # ---------------------------------------------------------------- driver

@@ -1,7 +1,8 @@
 """Host-side helpers for the launchers.
 
-`triton.cdiv` and `triton.next_power_of_2` are constexpr functions whose host calls cost about
-4-5 µs each through Triton's dispatch; eager launches pay that per op, layer and step, so the
+`triton.cdiv` and `triton.next_power_of_2` are constexpr functions whose host calls go through
+Triton's dispatch, which costs more than the arithmetic; eager launches pay that per op, layer and
+step, so the
 launchers use the plain-Python twins here. `INTERPRETING` is read once, at import: Triton
 decides when `@triton.jit` decorates a kernel whether TRITON_INTERPRET runs it, and the
 kernels here are decorated on import, so no launch needs to read the environment again.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from .compare import covers
 from .kube import Kube
 from .manifests import (
     SPEC_HASH_ANNOTATION,
+    TUNED_CONFIG_KEY,
     Manifest,
     Owner,
     build_admin_secret,
@@ -66,6 +68,7 @@ class Outcome:
     status: Manifest
     changes: list[Change] = field(default_factory=list)
     desired: Desired | None = None
+    tuned: LiveConfig | None = None  # the tuned config this reconcile wrote into the ConfigMap or flags
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,10 @@ class Extras:
     pilot's tuned config (None until it tuned something)."""
 
     tuned: LiveConfig | None = None
+    # whether `tuned` is a pilot's view; without one (no pilot runs yet, as after an operator
+    # start) the reconcile keeps what an earlier operator left (`recorded_tuned`), so that a
+    # restart rolls no pod and rewrites no ConfigMap
+    tuned_by_pilot: bool = False
     monitoring: EngineMonitoring = EngineMonitoring()
     prometheus_address: str | None = None  # KEDA's Prometheus when the spec names none
 
@@ -188,6 +195,21 @@ def _delete_owned(kube: Kube, kind: str, owner: Owner, name: str, changes: list[
         changes.append(Change("Deleted", kind, name))
 
 
+def recorded_tuned(kube: Kube, desired: Desired, status: Manifest) -> LiveConfig | None:
+    """The tuned config an earlier operator left: with `apply: live` the ConfigMap's (what pods
+    start on; a reconcile writes it before status, so it is never the older of the two), else
+    `status.tuning.config`."""
+    owner = desired.owner
+    if tunes_live(desired.spec):
+        config_map = kube.get("ConfigMap", owner.namespace, owner.tuned_config_name) or {}
+        try:
+            values = json.loads((config_map.get("data") or {}).get(TUNED_CONFIG_KEY) or "{}")
+            return LiveConfig.from_engine(values)
+        except (ValueError, TypeError):  # {} before the first change, or not ours to read
+            pass
+    return LiveConfig.from_status((status.get("tuning") or {}).get("config"))
+
+
 def _tuned_config(kube: Kube, desired: Desired, tuned: LiveConfig | None, changes: list[Change]) -> None:
     """The ConfigMap a pod started later reads its tuned config from (apply: live)."""
     owner = desired.owner
@@ -251,7 +273,9 @@ def _pod_monitor(kube: Kube, owner: Owner, monitoring: EngineMonitoring, served:
 def reconcile(kube: Kube, body: Any, image: str, now: str, extras: Extras = Extras()) -> Outcome:
     desired = parse(body)
     owner, spec, source = desired.owner, desired.spec, desired.source
-    tuned = extras.tuned if spec.autotune.enabled else None
+    tuned = None
+    if spec.autotune.enabled:
+        tuned = extras.tuned if extras.tuned_by_pilot else recorded_tuned(kube, desired, body.get("status") or {})
     tuned_spec = with_tuned(spec, tuned)
     changes: list[Change] = []
     ensure_admin_secret(kube, owner, changes)
@@ -270,4 +294,4 @@ def reconcile(kube: Kube, body: Any, image: str, now: str, extras: Extras = Extr
     generation = body.get("metadata", {}).get("generation", 0)
     status = build_status(body.get("status") or {}, generation, owner, tuned_spec, source, deployment, now,
                           extra_conditions)
-    return Outcome(status=status, changes=changes, desired=desired)
+    return Outcome(status=status, changes=changes, desired=desired, tuned=tuned)

@@ -19,19 +19,14 @@ a block size no pod runs yet; meanwhile `engineRollingOut` shows what is coming.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 from .manifests import Owner, engine_config, selector_string, service_url
 from .model_source import ModelSource
+from .objects import Manifest
 from .spec import InferenceServiceSpec
 
-Manifest = dict[str, Any]
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Tuned", "ScalingActive", "Monitored")
-
-
-def now_iso() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def condition(type_: str, status: bool | None, reason: str, message: str) -> Manifest:

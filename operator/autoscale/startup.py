@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from statistics import median
 from typing import Any
+
+from ..timestamps import epoch, iso
 
 RECENT = 10
 
@@ -37,7 +38,7 @@ def pod_startup(pod: Mapping[str, Any]) -> PodStartup | None:
         return None
     if any(c.get("restartCount", 0) for c in status.get("containerStatuses") or []):
         return None
-    created, became_ready = _time(meta.get("creationTimestamp")), _time(ready.get("lastTransitionTime"))
+    created, became_ready = epoch(meta.get("creationTimestamp")), epoch(ready.get("lastTransitionTime"))
     if created is None or became_ready is None or became_ready < created:
         return None
     return PodStartup(meta.get("name", ""), became_ready, became_ready - created)
@@ -68,22 +69,10 @@ class Startup:
         if not self.recent or self.last_ready_time is None:
             return {}
         return {"seconds": round(median(self.recent), 1), "recent": [round(s, 1) for s in self.recent],
-                "lastReadyTime": _iso(self.last_ready_time)}
+                "lastReadyTime": iso(self.last_ready_time)}
 
     @staticmethod
     def from_status(status: Mapping[str, Any]) -> Startup:
         recent = tuple(float(s) for s in status.get("recent") or [] if isinstance(s, int | float))
-        return Startup(recent[-RECENT:], _time(status.get("lastReadyTime")))
+        return Startup(recent[-RECENT:], epoch(status.get("lastReadyTime")))
 
-
-def _time(text: Any) -> float | None:
-    if not isinstance(text, str):
-        return None
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

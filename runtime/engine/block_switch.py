@@ -15,11 +15,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvpilot.runtime.engine.block_manager import BlockManager
-from kvpilot.runtime.engine.relayout import gc_paused, plan_relayout
-from kvpilot.runtime.engine.scheduler import Scheduler
 from kvpilot.runtime.executor import kv_cache
 from kvpilot.runtime.executor.model_runner import ModelRunner
+from kvpilot.runtime.sched.block_manager import BlockManager
+from kvpilot.runtime.sched.relayout import gc_paused, plan_relayout
+from kvpilot.runtime.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def warm_up_block_switches(sched: Scheduler, block_manager: BlockManager, runner
     """At start, switch through every allowed block size and back by the live path (planner,
     device copies, views, graph lookup, block manager and swap pool rebuilds), splits and merges
     both, so that what a process pays on its first switch (CUDA modules loaded on the copy
-    kernels' first launch, the copies' first temporary memory: benchmarks/RESULTS.md) is paid
+    kernels' first launch, the copies' first temporary memory: benchmarks/history/2026-12-04.md, "Every ordered pair") is paid
     before any request waits on it. No sequence exists yet: each switch re-lays a few blocks
     that none holds, from block 1 so that a merge's groups are out of place."""
     started = time.perf_counter()

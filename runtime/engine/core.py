@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from kvpilot.runtime.engine.sequence import DEFAULT_TENANT
+from kvpilot.runtime.sched.sequence import DEFAULT_TENANT
 
 logger = logging.getLogger(__name__)
 

@@ -31,24 +31,12 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import logprobs
-from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.block_switch import (
     RelayoutReport,
     change_block_size,
     warm_up_block_switches,
 )
-from kvpilot.runtime.engine.relayout import gc_paused
-from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
-from kvpilot.runtime.engine.sequence import (
-    DEFAULT_TENANT,
-    Request,
-    Sequence,
-    check_stop,
-    reaches_length,
-    request_output,
-)
 from kvpilot.runtime.engine.step_inputs import build_step_inputs
-from kvpilot.runtime.engine.tokenizer import Tokenizer, encode_prompt
 from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.executor.inputs import StepInputs
 from kvpilot.runtime.executor.model_runner import ModelRunner
@@ -56,6 +44,18 @@ from kvpilot.runtime.executor.sampler import DevicePromptLogprobs, DeviceSample,
 from kvpilot.runtime.executor.worker import Workers
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.sched.block_manager import BlockManager
+from kvpilot.runtime.sched.relayout import gc_paused
+from kvpilot.runtime.sched.scheduler import Scheduler, SchedulerOutput
+from kvpilot.runtime.sched.sequence import (
+    DEFAULT_TENANT,
+    Request,
+    Sequence,
+    check_stop,
+    reaches_length,
+    request_output,
+)
+from kvpilot.runtime.tokenizer import Tokenizer, encode_prompt
 
 logger = logging.getLogger(__name__)
 

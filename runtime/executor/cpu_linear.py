@@ -1,10 +1,9 @@
 """Linear layers with weights pre-packed for oneDNN, for the CPU engine.
 
 A decode step multiplies a few rows (one per running sequence) by every weight matrix, so it is
-bound by reading the weights. Through `F.linear` a 16-row product against a cold 3072 x 576 fp32
-weight ran 1.11 ms (6.4 GB/s, half what the 2-core VM reads: the GEMM library appears to re-pack
-the weight on every call), against 0.64 ms (11.1 GB/s) with the weight packed once for oneDNN
-(benchmarks/RESULTS.md, "Engine core on CPU"). The packed
+bound by reading the weights. Through `F.linear` such a product reads a cold weight at well under
+the memory's rate (the GEMM library appears to re-pack the weight on every call); packed once for
+oneDNN it does not (benchmarks/history/2026-12-03.md, "Engine core on CPU"). The packed
 product is not bit-identical to `F.linear` (the blocked kernel sums in another order: relative
 differences near 4e-7 in fp32).
 

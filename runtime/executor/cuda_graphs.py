@@ -21,9 +21,8 @@ every later switch to that size. Prefill and mixed steps, batches larger than th
 `--enforce-eager` run eagerly.
 
 CI has no GPU: tests/runtime/test_gpu_engine.py checks the graphs against HF and against eager mode
-on the lent H200 (`benchmarks/run_on_gpu.sh`). There, a Llama-3-8B-shaped decode step took
-5.3/6.4/9.8/16.3 ms at batch 1/32/128/256 against 12.9/12.3/13.6/26.5 eager in the same engine
-(benchmarks/RESULTS.md).
+on a GPU (`benchmarks/run_on_gpu.sh`); `benchmarks/bench_engine_gpu.py` times a decode step with
+and without them in one engine (benchmarks/RESULTS.md, "Engine decode step").
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from kvpilot.runtime.sampling_params import SamplingParams
 RowLogprobs = tuple[float, int, list[tuple[int, float]]]
 
 
-@dataclass(slots=True)  # not frozen: 3x cheaper to build, and the engine builds one per sample per step
+@dataclass(slots=True)  # not frozen: cheaper to build, and the engine builds one per sample per step
 class SamplingRow:
     """One sequence that samples this step (read, never changed, by the executor)."""
 

@@ -10,7 +10,7 @@ num_kv_heads, head_dim) view.
 
 `KVCacheLayout` is what the runner reports when it builds or re-cuts the cache; the engine sizes
 its block manager and swap space from it. `relayout` carries out a `RelayoutPlan`
-(engine/relayout.py) on flat cache tensors of one layout — the device cache and the host swap
+(sched/relayout.py) on flat cache tensors of one layout — the device cache and the host swap
 space alike — in batches whose temporary memory the plan bounds.
 """
 
@@ -35,7 +35,7 @@ class Writes(Protocol):  # engine.relayout.Writes
     src: np.ndarray  # (n, k) old blocks, -1 past a sequence's end
 
 
-class Plan(Protocol):  # engine.relayout.RelayoutPlan, by shape (the executor does not import the engine)
+class Plan(Protocol):  # sched.relayout.RelayoutPlan, by shape (the executor does not import the engine)
     old_block_size: int
     new_block_size: int
     num_old_blocks: int
@@ -164,7 +164,7 @@ def relayout(storage: torch.Tensor | list[torch.Tensor], plan: Plan, num_kv_head
     copies move words of up to 8 bytes, not elements (a row of head_dim elements is never cut), and
     the indices of every batch go to the device in one upload. One tensor at a time rather than one
     strided view over all of them: over a view of the whole cache (more than 2^31 elements) the
-    copy kernels were slower on an H200, on the device and on the host. No host synchronisation:
+    copy kernels were slower, on the device and on the host (benchmarks/history/2026-12-04.md, "Every ordered pair"). No host synchronisation:
     the copies are queued on the current stream, ahead of the next step's kernels."""
     old, new = plan.old_block_size, plan.new_block_size
     if old == new or not plan.batches or (new < old and not head_major):
@@ -204,7 +204,7 @@ def relayout(storage: torch.Tensor | list[torch.Tensor], plan: Plan, num_kv_head
 def _words(row_bytes: int) -> tuple[torch.dtype, int]:
     """The widest integer type that a row of `row_bytes` bytes is a whole number of, and how many:
     the copy kernels move one element per thread, so bf16 moved as int64 takes a quarter of the
-    threads (and on an H200 about half the device time)."""
+    threads."""
     for words in (torch.int64, torch.int32, torch.int16):
         if row_bytes % words.itemsize == 0:
             return words, row_bytes // words.itemsize

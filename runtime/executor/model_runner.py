@@ -214,7 +214,7 @@ class ModelRunner:
     def relayout(self, block_size: int, plan: kv_cache.Plan,
                  swap_moves: list[tuple[list[int], list[int], int]]) -> kv_cache.RelayoutCost:
         """Re-cut the KV cache into blocks of `block_size` in place, re-laying the blocks `plan`
-        keeps (engine/relayout.py), and the swap space with it, keeping each swapped sequence's KV
+        keeps (sched/relayout.py), and the swap space with it, keeping each swapped sequence's KV
         (`swap_moves`: old host blocks, new host blocks, tokens; swap.py's `recut`). Returns the
         bytes written and where the time went (this rank's). The allocation, its views of every
         size and every size's decode graphs stay. On CUDA the device copies are only queued, ahead

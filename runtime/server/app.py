@@ -31,14 +31,14 @@ from fastapi.responses import JSONResponse, Response
 
 from kvpilot.runtime.args import EngineArgs
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine.async_engine import AsyncEngine
-from kvpilot.runtime.engine.tokenizer import Tokenizer, load_tokenizer
 from kvpilot.runtime.server.admin import add_admin_routes
+from kvpilot.runtime.server.async_engine import AsyncEngine
 from kvpilot.runtime.server.errors import add_error_handlers, bearer_token, unauthorized
 from kvpilot.runtime.server.metrics import ServerMetrics
 from kvpilot.runtime.server.openai_serving import OpenAIServing
 from kvpilot.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kvpilot.runtime.server.tenants import APIKeys, resolve_tenant
+from kvpilot.runtime.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """`AsyncEngine`: the asyncio front of the engine core, in the API process.
 
-`start()` spawns the engine core (core.py) as its own process and waits until it has built its
+`start()` spawns the engine core (engine/core.py) as its own process and waits until it has built its
 `LLMEngine`; from then on the event loop sends it commands (add, abort, utility calls) and one
 reader task receives its per-step messages, turns the token ids into `RequestOutput`s
 (output_processor.py: detokenizing, stop strings) and puts each into its request's asyncio queue
@@ -46,12 +46,12 @@ from kvpilot.runtime.engine.core import (
     UtilityResult,
     run_core,
 )
-from kvpilot.runtime.engine.output_processor import OutputProcessor
-from kvpilot.runtime.engine.sequence import DEFAULT_TENANT
-from kvpilot.runtime.engine.tokenizer import Tokenizer, encode_prompt
 from kvpilot.runtime.errors import EngineDeadError, RequestError
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.sched.sequence import DEFAULT_TENANT
+from kvpilot.runtime.server.output_processor import OutputProcessor
+from kvpilot.runtime.tokenizer import Tokenizer, encode_prompt
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine.sequence import Sequence
 from kvpilot.runtime.errors import RequestError
+
+if TYPE_CHECKING:  # the base layer sits below the bookkeeping; only the annotation needs it
+    from kvpilot.runtime.sched.sequence import Sequence
 
 
 class Tokenizer:
