@@ -129,6 +129,12 @@ class BehaviorSpec(_Model):
     scale_down: ScalingRulesSpec = ScalingRulesSpec()
 
 
+class ForecastSpec(_Model):
+    enabled: bool = True
+    horizon: Duration | None = None
+    lookback: Duration | None = None
+
+
 class AutoscalingSpec(_Model):
     enabled: bool = False
     mode: Literal["builtin", "hpa", "keda"] = "builtin"
@@ -141,6 +147,7 @@ class AutoscalingSpec(_Model):
     interval: Duration | None = None
     behavior: BehaviorSpec = BehaviorSpec()
     prometheus_address: str | None = None
+    forecast: ForecastSpec | None = None  # unset: on in mode builtin
 
 
 class SecretKeyRef(_Model):
