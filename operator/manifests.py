@@ -26,6 +26,7 @@ PLURAL = "inferenceservices"
 INSTANCE_LABEL = f"{GROUP}/inferenceservice"
 SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"
 MANAGED_BY = "kvpilot-operator"
+ENGINE_CONTAINER = "server"  # the pod's `kvpilot serve` container
 CACHE_DIR = "/var/cache/kvpilot"
 # Triton's compiled kernels live in the same volume, so a node-wide one (--engine-cache-host-path)
 # lets a second pod on the node load what the first compiled
@@ -199,7 +200,7 @@ def build_container(owner: Owner, spec: InferenceServiceSpec, source: ModelSourc
     if tunes_live(spec):
         args += ["--tuned-config", f"{TUNED_CONFIG_DIR}/{TUNED_CONFIG_KEY}"]
     return {
-        "name": "server",
+        "name": ENGINE_CONTAINER,
         "image": image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["kvpilot", "serve"],

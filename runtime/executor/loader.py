@@ -11,6 +11,7 @@ import torch
 from kvpilot.runtime.config import ModelConfig
 from kvpilot.runtime.executor.models.llama import LlamaConfig, LlamaForCausalLM
 from kvpilot.runtime.executor.parallel import TPInfo
+from kvpilot.runtime.executor.quant.methods import linear_methods
 from kvpilot.runtime.executor.weight_reader import (
     checkpoint_files,
     checkpoint_weights,
@@ -55,9 +56,16 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights: the linear layers' in their method's format, the rest here."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    linears = model.linears()
+    for linear in linears:
+        linear.method.fill_dummy(linear, gen)
+    in_linears = {id(p) for linear in linears for p in linear.parameters()}
     for name, param in model.named_parameters():
+        if id(param) in in_linears:
+            continue
         if param.dim() == 1:
             param.data.fill_(1.0 if name.endswith("norm") else 0.0)  # norms 1, biases 0
         else:
@@ -66,23 +74,25 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
 
 def load_model(config: ModelConfig, device: str, tp: TPInfo | None = None,
                startup: StartupLog | None = None) -> tuple[LlamaForCausalLM, LlamaConfig]:
-    """Build this rank's slice of the model on `device` and fill it (phases `model_init` and
-    `weights` of `startup`)."""
+    """Build this rank's slice of the model on `device` and fill it (linear layers in the format
+    of `config.quantization`; phases `model_init` and `weights` of `startup`)."""
     startup = startup or StartupLog("core")
-    cfg = LlamaConfig.from_hf(hf_config_of(config))
+    hf_config = hf_config_of(config)
+    cfg = LlamaConfig.from_hf(hf_config)
     dtype = resolve_dtype(config.dtype, device)
     with startup.phase("model_init"):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             with torch.device("meta"):
-                model = LlamaForCausalLM(cfg, tp)
+                model = LlamaForCausalLM(cfg, tp, linear_methods(config.quantization, hf_config))
         finally:
             torch.set_default_dtype(previous)
         _materialize(model, torch.device(device))
     if config.load_format == "dummy":
-        with startup.phase("weights", reader="dummy"):
+        with startup.phase("weights", reader="dummy"), torch.no_grad():
             _fill_dummy(model, config.seed + (tp.rank if tp else 0))
+            model.process_weights_after_loading()
     else:
         folder = Path(config.model)
         reader = choose_reader(torch.device(device))
