@@ -8,9 +8,10 @@ Parts, in order (each prints JSON lines; the table at the end sums them up):
            M = 16 and 256; the largest difference over the largest output
   decode   the decode kernel at M = 1, 2, 4, 8, 16, per projection: 32 launches each on its own
            layer's weights (none stays in L2) replayed from one CUDA graph, microseconds a launch,
-           and the floor: the bytes a launch must read (packed weights, scales, zeros, activations)
-           over the copy rate measured in the same run; bf16 F.linear beside it. --sweep also
-           times a grid of tiles per shape at M = 1 and 16 (best against the launcher's choice)
+           and the floor: the bytes a launch must read and write (packed weights, scales, zeros,
+           activations) over the copy rate measured in the same run; bf16 F.linear beside it; and
+           per M the decode step's 128 projections together. --sweep also times a grid of tiles
+           per shape at M = 1 and 16 (the best against the launcher's choice)
   prefill  the tiled kernel at M = 256, 2048, 8192 against bf16 F.linear (TFLOP/s)
   engine   LLM("llama-3-8b", load_format="dummy") for bf16 and awq (and fp8), each in its own
            process: one stream's ms per output token (batch 1, prompt 512, 128 new tokens), the
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -112,6 +112,12 @@ def decode(rate: float, sweep: bool) -> list[dict[str, Any]]:
             print(json.dumps(row), flush=True)
         del weights, dense
         torch.cuda.empty_cache()
+    for m in sorted({r["m"] for r in rows}):  # a decode step's 32 layers of the four projections
+        per = [(r, PROJECTIONS[r["shape"]][2]) for r in rows if r["m"] == m]
+        step = {key: sum(r[key] * count for r, count in per) / 1e3 for key in ("us", "floor_us", "bf16_us")}
+        rows.append({"part": "decode_step", "m": m, "ms": step["us"], "floor_ms": step["floor_us"],
+                     "of_floor": step["floor_us"] / step["us"], "bf16_ms": step["bf16_us"]})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -191,6 +197,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         best = f"  sweep best {r['best_of_floor']:.0%}" if "best_of_floor" in r else ""
         lines.append(f"decode {r['shape']:8s} M={r['m']:<3d} {r['us']:7.1f} us  {r['of_floor']:.0%} of floor "
                      f"({r['floor_us']:.1f} us)  bf16 {r['bf16_us']:7.1f} us  x{r['speedup_vs_bf16']:.2f}{best}")
+    for r in (r for r in rows if r["part"] == "decode_step"):
+        lines.append(f"decode step's projections M={r['m']:<3d} {r['ms']:.3f} ms  {r['of_floor']:.0%} of floor "
+                     f"({r['floor_ms']:.3f} ms)  bf16 {r['bf16_ms']:.3f} ms")
     for r in (r for r in rows if r["part"] == "prefill"):
         lines.append(f"prefill {r['shape']:8s} M={r['m']:<5d} {r['tflops']:6.0f} TFLOP/s  bf16 {r['bf16_tflops']:6.0f}"
                      f"  ({r['of_bf16']:.2f}x bf16's rate)")
@@ -234,8 +243,6 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "int4_gpu.json").write_text(json.dumps({**head, "rows": rows}, indent=1))
     print(table(rows))
-    print("median decode of floor:", statistics.median(r["of_floor"] for r in rows if r["part"] == "decode")
-          if any(r["part"] == "decode" for r in rows) else "-")
 
 
 if __name__ == "__main__":

@@ -107,11 +107,14 @@ def test_per_channel_weights_take_a_tile_that_divides_the_inputs(device: torch.d
     torch.testing.assert_close(int_gemm(x, w), int_linear_reference(x, w), **tolerance(torch.float32))
 
 
-def test_split_k_only_where_columns_leave_sms_idle() -> None:
-    narrow = random_weight(64, 4096, 4, 128, torch.float32, torch.device("cpu"))
-    wide = random_weight(16384, 256, 4, 128, torch.float32, torch.device("cpu"))
-    assert choose_decode(1, narrow, num_sms=132).split_k > 1
-    assert choose_decode(1, wide, num_sms=132).split_k == 1
+def test_decode_tiles_narrow_before_splitting_k() -> None:
+    cpu = torch.device("cpu")
+    wide = choose_decode(1, random_weight(28672, 256, 4, 128, torch.float32, cpu), num_sms=132)
+    assert (wide.block_n, wide.split_k) == (64, 1)
+    square = choose_decode(1, random_weight(4096, 256, 4, 128, torch.float32, cpu), num_sms=132)
+    assert (square.block_n, square.split_k) == (16, 1)  # 256 programs: every SM busy without a split
+    narrow = choose_decode(1, random_weight(512, 4096, 4, 128, torch.float32, cpu), num_sms=132)
+    assert (narrow.block_n, narrow.split_k) == (16, 8)
 
 
 @pytest.mark.parametrize("case,message", [("features", "x has 100 features"), ("dtype", "x dtype")])
