@@ -18,15 +18,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import metrics
 from .events import build_event
+from .key import Key
 from .kube import ApiError, Kube
 from .manifests import GROUP
 from .model_source import SpecError
+from .objects import Manifest
 from .pilot_spec import measurement_basis
 from .reconcile import Change, Desired, Extras, reconcile
 from .status import api_error_status, invalid_spec_status, merge_conditions, status_changes
@@ -45,16 +46,6 @@ LEGACY_FINALIZER = f"{GROUP}/finalizer"
 # at once, since waiting does not fix RBAC.
 PERSISTENT_AFTER = 3
 
-Manifest = dict[str, Any]
-
-
-@dataclass(frozen=True, order=True)
-class Key:
-    namespace: str
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.namespace}/{self.name}"
 
 
 class Next(Enum):

@@ -19,8 +19,9 @@ from typing import Any
 import kopf
 
 from .autoscale.scaling_spec import check_prometheus_address
-from .controller import Controller, Key
+from .controller import Controller
 from .health import Health
+from .key import Key
 from .kube import Kube
 from .manifests import GROUP, INSTANCE_LABEL, MANAGED_BY, PLURAL, VERSION
 from .monitoring import EngineMonitoring

@@ -16,6 +16,7 @@ from typing import Any
 
 from .engine_args import SERVE_PORT, serve_args
 from .model_source import ModelSource
+from .objects import Manifest
 from .spec import InferenceServiceSpec
 
 GROUP = "serving.kvpilot.io"
@@ -32,7 +33,6 @@ TUNED_CONFIG_DIR = "/etc/kvpilot/tuned"
 TUNED_CONFIG_KEY = "tuned.json"
 PROBE_PERIOD_SECONDS = 10
 
-Manifest = dict[str, Any]
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from typing import Any
 
 from .manifests import Owner, engine_config, selector_string, service_url
 from .model_source import ModelSource
+from .objects import Manifest
 from .spec import InferenceServiceSpec
 
-Manifest = dict[str, Any]
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Tuned", "ScalingActive", "Monitored")
 
 
