@@ -12,7 +12,8 @@ Parts, in order (each prints JSON lines; the table at the end sums them up):
            activations) over the copy rate measured in the same run; bf16 F.linear beside it; and
            per M the decode step's 128 projections together. --sweep also times a grid of tiles
            per shape at M = 1 and 16 (the best against the launcher's choice)
-  prefill  the tiled kernel at M = 256, 2048, 8192 against bf16 F.linear (TFLOP/s)
+  prefill  the tiled kernel at M = 256, 2048, 8192 against bf16 F.linear (TFLOP/s), and the torch
+           twin (de-quantise the whole weight, then bf16 F.linear) beside them
   engine   LLM("llama-3-8b", load_format="dummy") for bf16 and awq (and fp8), each in its own
            process: one stream's ms per output token (batch 1, prompt 512, 128 new tokens), the
            batch-256 decode step at context ~1,024 (prompt 960, 128 new), and offline
@@ -47,6 +48,7 @@ from kvpilot.kernels.int_gemm import (  # noqa: E402
     int_gemm,
     int_gemm_decode,
     int_gemm_prefill,
+    int_linear_reference,
     pack_rows,
 )
 from kvpilot.kernels.int_gemm.decode import DecodeConfig  # noqa: E402
@@ -72,8 +74,6 @@ def packed_bytes(w: IntWeight) -> int:
 
 
 def check() -> list[dict[str, Any]]:
-    from kvpilot.kernels.int_gemm import int_linear_reference
-
     rows = []
     for name, (k, n, _) in PROJECTIONS.items():
         cases = [(m, 4, False) for m in (1, 16, 64, 256, 2048)] + [(16, 4, True), (256, 4, True), (16, 8, False),
@@ -136,9 +136,11 @@ def prefill() -> list[dict[str, Any]]:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             ms = timed_ms(lambda x=x, w=w: int_gemm_prefill(x, w))
             bf16_ms = timed_ms(lambda x=x, dense=dense: F.linear(x, dense))
+            twin_ms = timed_ms(lambda x=x, w=w: int_linear_reference(x, w))
             flop = 2 * m * n * k
             rows.append({"part": "prefill", "shape": name, "m": m, "ms": ms, "tflops": flop / ms / 1e9,
-                         "bf16_ms": bf16_ms, "bf16_tflops": flop / bf16_ms / 1e9, "of_bf16": bf16_ms / ms})
+                         "bf16_ms": bf16_ms, "bf16_tflops": flop / bf16_ms / 1e9, "of_bf16": bf16_ms / ms,
+                         "twin_ms": twin_ms})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -202,7 +204,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                      f"({r['floor_ms']:.3f} ms)  bf16 {r['bf16_ms']:.3f} ms")
     for r in (r for r in rows if r["part"] == "prefill"):
         lines.append(f"prefill {r['shape']:8s} M={r['m']:<5d} {r['tflops']:6.0f} TFLOP/s  bf16 {r['bf16_tflops']:6.0f}"
-                     f"  ({r['of_bf16']:.2f}x bf16's rate)")
+                     f"  ({r['of_bf16']:.2f}x bf16's rate; de-quantise then bf16: {r['twin_ms']:.3f} ms)")
     for r in (r for r in rows if r["part"] == "engine"):
         if "error" in r:
             lines.append(f"engine {r['quantization']}: failed (see JSON)")
@@ -238,6 +240,7 @@ def main() -> None:
     if "prefill" in args.parts:
         rows += prefill()
     if "engine" in args.parts:
+        torch.cuda.empty_cache()  # each engine sizes its KV cache from the memory left free
         rows += engine(["bf16", "awq"] + (["fp8"] if args.fp8 else []))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
