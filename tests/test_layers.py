@@ -27,7 +27,7 @@ RUNTIME_LAYERS: list[tuple[str, list[str]]] = [
     ("kernels", ["kvpilot.kernels"]),
     ("runtime base", ["kvpilot.runtime.config", "kvpilot.runtime.args", "kvpilot.runtime.sampling_params",
                       "kvpilot.runtime.outputs", "kvpilot.runtime.model_source", "kvpilot.runtime.errors",
-                      "kvpilot.runtime.tokenizer"]),
+                      "kvpilot.runtime.tokenizer", "kvpilot.runtime.quantization"]),
     # tensors: the engine core process (and tensor-parallel workers); the runner knows no Sequence
     ("executor", ["kvpilot.runtime.executor"]),
     # the engine's bookkeeping, torch-free
@@ -56,7 +56,7 @@ TORCH_FREE = ["kvpilot.runtime.sched.scheduler", "kvpilot.runtime.sched.block_ma
               "kvpilot.runtime.sched.sequence", "kvpilot.runtime.engine.step_inputs",
               "kvpilot.runtime.sched.policies", "kvpilot.runtime.sched.host_blocks",
               "kvpilot.runtime.sched.relayout",
-              "kvpilot.runtime.executor.inputs", "kvpilot.runtime.cli"]
+              "kvpilot.runtime.executor.inputs", "kvpilot.runtime.cli", "kvpilot.runtime.quantization"]
 
 LAYER_ORDER = [name for name, _ in RUNTIME_LAYERS]
 

@@ -12,6 +12,7 @@ import torch
 from kvpilot.runtime.config import ModelConfig
 from kvpilot.runtime.executor.models.llama import LlamaConfig, LlamaForCausalLM
 from kvpilot.runtime.executor.parallel import TPInfo
+from kvpilot.runtime.executor.quant.methods import linear_methods
 from kvpilot.runtime.model_source import load_preset
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -72,9 +73,16 @@ def safetensors_weights(folder: Path) -> Iterator[tuple[str, SafetensorsSlice]]:
 
 
 def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights: the linear layers' in their method's format, the rest here."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    linears = model.linears()
+    for linear in linears:
+        linear.method.fill_dummy(linear, gen)
+    in_linears = {id(p) for linear in linears for p in linear.parameters()}
     for name, param in model.named_parameters():
+        if id(param) in in_linears:
+            continue
         if param.dim() == 1:
             param.data.fill_(1.0 if name.endswith("norm") else 0.0)  # norms 1, biases 0
         else:
@@ -82,19 +90,23 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
 
 
 def load_model(config: ModelConfig, device: str, tp: TPInfo | None = None) -> tuple[LlamaForCausalLM, LlamaConfig]:
-    """Build this rank's slice of the model on `device` and fill it."""
-    cfg = LlamaConfig.from_hf(hf_config_of(config))
+    """Build this rank's slice of the model on `device` and fill it (linear layers in the format
+    of `config.quantization`)."""
+    hf_config = hf_config_of(config)
+    cfg = LlamaConfig.from_hf(hf_config)
     dtype = resolve_dtype(config.dtype, device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, tp)
+            model = LlamaForCausalLM(cfg, tp, linear_methods(config.quantization, hf_config))
     finally:
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)
     if config.load_format == "dummy":
-        _fill_dummy(model, config.seed + (tp.rank if tp else 0))
+        with torch.no_grad():
+            _fill_dummy(model, config.seed + (tp.rank if tp else 0))
+            model.process_weights_after_loading()
     else:
         with torch.no_grad():
             model.load_weights(safetensors_weights(Path(config.model)))
