@@ -71,11 +71,12 @@ def test_awq_matches_compressed_tensors_reader() -> None:
 
 
 def test_gptq_word_holds_consecutive_inputs_and_zeros_minus_one() -> None:
-    qweight = torch.tensor([[WORD] + [0] * 7], dtype=torch.int32)  # (K / 8, N): inputs 0..7 of outputs 0..7
+    qweight = torch.zeros(2, 8, dtype=torch.int32)  # (K / 8, N): words of inputs 0..7 and 8..15
+    qweight[0, 0] = WORD  # inputs 0..7 of output 0 hold 0..7
     qzeros = torch.tensor([[0x77777777]], dtype=torch.int32)  # stored 7 -> zero point 8 (gptq format)
-    w = gptq_to_int_weight(qweight, qzeros, torch.ones(1, 8, dtype=torch.float16), None, 4, 8, 1, torch.float32)
-    assert unpack_rows(w.qweight, 4).tolist() == [list(range(8))] + [[0] * 8] * 7
-    assert dequantize(w)[0].tolist() == [float(v - 8) for v in range(8)]
+    w = gptq_to_int_weight(qweight, qzeros, torch.ones(1, 8, dtype=torch.float16), None, 4, 16, 1, torch.float32)
+    assert unpack_rows(w.qweight, 4)[0].tolist() == list(range(8)) + [0] * 8
+    assert dequantize(w)[0].tolist() == [float(v - 8) for v in range(8)] + [-8.0] * 8
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -111,10 +112,10 @@ def test_gptq_act_order_reads_the_groups_of_its_permuted_inputs() -> None:
 
 
 def test_gptq_refuses_groups_of_uneven_size() -> None:
-    g_idx = torch.tensor([0] * 5 + [1] * 3, dtype=torch.int32)
-    with pytest.raises(ValueError, match="g_idx does not give each group 4 inputs"):
-        gptq_to_int_weight(torch.zeros(1, 8, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
-                           torch.ones(2, 8, dtype=torch.float16), g_idx, 4, 4, 1, torch.float32)
+    g_idx = torch.tensor([0] * 17 + [1] * 15, dtype=torch.int32)
+    with pytest.raises(ValueError, match="g_idx does not give each group 16 inputs"):
+        gptq_to_int_weight(torch.zeros(4, 8, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
+                           torch.ones(2, 8, dtype=torch.float16), g_idx, 4, 16, 1, torch.float32)
 
 
 def test_gptq_format_cannot_store_a_zero_point_of_zero() -> None:
