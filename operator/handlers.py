@@ -29,10 +29,11 @@ from .pilot import Pilots
 from .reconcile import Extras
 from .runner import Runner
 
-# The children the operator writes: an event on any of them runs its owner again.
+# The children the operator writes, and the pods (whose engine failures become a condition): an
+# event on any of them runs its owner again.
 CHILDREN = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "secrets"),
             ("policy", "v1", "poddisruptionbudgets"), ("", "v1", "configmaps"),
-            ("autoscaling", "v2", "horizontalpodautoscalers"))
+            ("autoscaling", "v2", "horizontalpodautoscalers"), ("", "v1", "pods"))
 MAX_API_RETRY_SECONDS = 10.0
 
 

@@ -26,6 +26,7 @@ PLURAL = "inferenceservices"
 INSTANCE_LABEL = f"{GROUP}/inferenceservice"
 SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"
 MANAGED_BY = "kvpilot-operator"
+ENGINE_CONTAINER = "server"  # the pod's `kvpilot serve` container
 CACHE_DIR = "/var/cache/kvpilot"
 ADMIN_TOKEN_KEY = "token"
 # The live config the autotuner tuned the service to, which a pod (re)started later reads at start.
@@ -188,7 +189,7 @@ def build_container(owner: Owner, spec: InferenceServiceSpec, source: ModelSourc
     if tunes_live(spec):
         args += ["--tuned-config", f"{TUNED_CONFIG_DIR}/{TUNED_CONFIG_KEY}"]
     return {
-        "name": "server",
+        "name": ENGINE_CONTAINER,
         "image": image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["kvpilot", "serve"],

@@ -38,6 +38,7 @@ from .manifests import (
     build_service,
     build_tuned_config_map,
     child_metadata,
+    selector_string,
     tunes_live,
     with_spec_hash,
 )
@@ -45,7 +46,7 @@ from .model_source import ModelSource, SpecError, resolve_model_source
 from .monitoring import EngineMonitoring, build_pod_monitor
 from .pilot_spec import scaling_spec, tuning_spec
 from .spec import InferenceServiceSpec
-from .status import build_status, condition
+from .status import build_status, condition, engine_failure
 
 MONITORING_GROUP, MONITORING_VERSION = "monitoring.coreos.com", "v1"
 
@@ -289,6 +290,8 @@ def reconcile(kube: Kube, body: Any, image: str, now: str, extras: Extras = Extr
         _delete_owned(kube, "PodDisruptionBudget", owner, owner.name, changes)
     served = _served(kube.api_groups())
     extra_conditions = [_pod_monitor(kube, owner, extras.monitoring, served, changes)]
+    if (failed := engine_failure(kube.list_objects("Pod", owner.namespace, selector_string(owner)))) is not None:
+        extra_conditions.append(failed)  # overrides the rollout's Degraded: the pods say why they do not start
     if (scaling := _autoscaler(kube, desired, extras, served, changes)) is not None:
         extra_conditions.append(scaling)
     generation = body.get("metadata", {}).get("generation", 0)

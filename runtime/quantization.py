@@ -60,13 +60,12 @@ def resolve_quantization(flag: str | None, hf_config: dict[str, Any], where: str
     saved = checkpoint_quantization(hf_config)
     if flag not in (None, "auto") and saved is not None and saved != flag:
         raise QuantizationMismatchError(
-            f"quantization: --quantization {flag} does not match the checkpoint, whose quantization_config "
-            f"says {saved} ({where}); pass --quantization {saved} or auto")
+            f"quantization: {flag} does not match the checkpoint's quantization_config ({saved}, in {where}); "
+            f"pass --quantization {saved} or auto")
     if flag in (None, "auto"):
         return saved
     if saved is None and not dummy and flag not in QUANTIZE_AT_LOAD:
         raise QuantizationMismatchError(
-            f"quantization: --quantization {flag} needs a checkpoint saved in {flag}, but {where} has no "
-            "quantization_config (a plain checkpoint); kvpilot quantizes plain checkpoints at load only with "
-            f"{', '.join(QUANTIZE_AT_LOAD)}")
+            f"quantization: {flag} needs a checkpoint saved in {flag}, but {where} has no quantization_config "
+            f"(a plain checkpoint); kvpilot quantizes plain checkpoints at load only with {', '.join(QUANTIZE_AT_LOAD)}")
     return flag

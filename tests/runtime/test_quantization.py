@@ -43,7 +43,7 @@ def test_fp8_quantizes_a_plain_checkpoint_or_reads_an_fp8_one() -> None:
 
 
 def test_a_flag_that_disagrees_with_the_checkpoint_names_both() -> None:
-    with pytest.raises(QuantizationMismatchError, match=r"--quantization fp8 does not match .* says awq \(/ckpt\)"):
+    with pytest.raises(QuantizationMismatchError, match=r"fp8 does not match the checkpoint's quantization_config \(awq, in /ckpt\)"):
         resolve_quantization("fp8", AWQ, "/ckpt", dummy=False)
 
 
