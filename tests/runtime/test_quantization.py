@@ -48,7 +48,7 @@ def test_a_flag_that_disagrees_with_the_checkpoint_names_both() -> None:
 
 
 def test_integer_methods_need_a_checkpoint_in_their_format_or_dummy_weights() -> None:
-    with pytest.raises(QuantizationMismatchError, match="--quantization gptq needs a checkpoint saved in gptq"):
+    with pytest.raises(QuantizationMismatchError, match="quantization: gptq needs a checkpoint saved in gptq"):
         resolve_quantization("gptq", PLAIN, "/m", dummy=False)
     assert resolve_quantization("awq", PLAIN, "llama-3-8b", dummy=True) == "awq"
 

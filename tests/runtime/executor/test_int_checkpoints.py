@@ -108,7 +108,7 @@ def test_flag_that_contradicts_the_checkpoint_names_both(checkpoints) -> None:
 
 
 def test_int4_flag_on_a_plain_checkpoint_is_refused(tiny_models) -> None:
-    with pytest.raises(QuantizationMismatchError, match="--quantization awq needs a checkpoint saved in awq"):
+    with pytest.raises(QuantizationMismatchError, match="quantization: awq needs a checkpoint saved in awq"):
         EngineArgs(model=tiny_models["llama"][0], quantization="awq").create_engine_config()
 
 
