@@ -6,8 +6,8 @@
    activation kernels (RMSNorm, residual add + RMSNorm, SiLU x up, plain) against the reference's
    quantization of the unfused op: share of identical FP8 values and scales.
 2. The step's matrix products: 32 layers of qkv, o, gate/up and down with their norms and
-   activation (each layer its own weights, so none stays in L2) plus the bf16 LM head, one CUDA
-   graph per variant, at decode sizes M = 1..256 and prefill sizes up to 8192 tokens:
+   activation (each layer its own weights, so none stays in L2) plus the bf16 LM head (on up to 256
+   rows: one per sequence), one CUDA graph per variant, at decode sizes M = 1..256 and prefill sizes up to 8192 tokens:
    bf16 (the engine's bf16 path), fp8 (the engine's FP8 path: quantization fused into the norms and
    the activation), fp8-unfused (per-token quantization by plain torch ops before cuBLASLt, the
    path the fusion replaces) and the bare products (cuBLASLt, and the Triton kernel at M <= 16).
@@ -145,7 +145,8 @@ class StepProducts:
         h = torch.randn(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
         residual = torch.randn_like(h)
         attn = torch.randn(m, SHAPES["o"][0], dtype=torch.bfloat16, device="cuda")  # attention's output
-        eps, head = 1e-5, lambda: F.linear(h[-1:], self.lm_head)
+        # the head's rows: one per sequence (a decode step's every row; a prefill's last tokens)
+        eps, head = 1e-5, lambda: F.linear(h[-min(m, 256):], self.lm_head)
 
         def bf16() -> None:
             for w in self.bf16:

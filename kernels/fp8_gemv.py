@@ -29,7 +29,7 @@ BLOCK_N = 16
 BLOCK_K = 512
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M varies from step to step: one compile for all
 def _fp8_gemv_kernel(out_ptr, x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, M, N, K, stride_x, stride_w, stride_o,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N),)."""
