@@ -43,6 +43,8 @@ from .autoscale.coordination import Coordination
 from .autoscale.deletion_cost import DELETION_COST_ANNOTATION, cost_patch, deletion_costs
 from .autoscale.history import DecisionRecord, appended
 from .autoscale.scaling_spec import ScalingSpec
+from .autoscale.startup import PodStartup, pod_startup
+from .autotune.admin import AdminClient
 from .autotune.endpoint import PodEndpoint
 from .autotune.live_config import EngineLimits, LiveConfig
 from .autotune.scrape import ScrapeReport, ServiceScraper
@@ -55,7 +57,8 @@ from .manifests import ADMIN_TOKEN_KEY, Owner, selector_string
 from .objects import Manifest
 from .scaler import ScalingInputs, ScalingState, scale, watch_target
 from .timestamps import now_iso
-from .tuner import Tuner
+from .tuner import TuningInputs, tune
+from .tuner_state import TunerState
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +119,7 @@ class Pods:
     # the pod templates (the Deployment's pod-template-hash labels) of every pod, whatever its
     # state: more than one while a rollout replaces the pods of one spec with another's
     templates: frozenset[str] = frozenset()
+    startups: tuple[PodStartup, ...] = ()  # the Ready pods' creation to Ready
 
 
 def classify(pods: list[Manifest]) -> Pods:
@@ -138,7 +142,8 @@ def classify(pods: list[Manifest]) -> Pods:
             endpoints.append(PodEndpoint(name, status["podIP"], _serving_port(pod)))
         else:
             states[name] = "starting"
-    return Pods(states, sorted(endpoints, key=lambda e: e.pod), costs, frozenset(templates))
+    startups = tuple(startup for pod in pods if (startup := pod_startup(pod)) is not None)
+    return Pods(states, sorted(endpoints, key=lambda e: e.pod), costs, frozenset(templates), startups)
 
 
 def _serving_port(pod: Manifest) -> int:
@@ -161,9 +166,10 @@ class Pilot:
         self.settings = settings
         self.scraper = ServiceScraper(key.namespace, key.name, session, timeout_s=SCRAPE_TIMEOUT_S,
                                       span_s=settings.span_s, clock=clock)
-        self.coordination = Coordination()
         self.decisions: list[Manifest] = list(status.get("decisions") or [])
-        self.tuner = Tuner(self, status.get("tuning") or {}, tuned)
+        self.tuning = TunerState.from_status(status.get("tuning") or {}, tuned)
+        # a canary an earlier operator left is still being judged: no scale-down meanwhile
+        self.coordination = Coordination(tuning_in_flight=self.tuning.canary is not None)
         self.scaling = ScalingState.from_status(status.get("scaling") or {})
         self.metrics: Manifest | None = status.get("metrics")
         self.view = PilotView(tuned)
@@ -221,7 +227,7 @@ class Pilot:
         if self.settings.scaling.enabled:
             await self._scale(now, pods)
         if self.settings.tuning.enabled:
-            await self.tuner.step(now, pods, report)
+            await self._tune(now, pods, report)
         self._publish()
 
     async def _scale(self, now: float, pods: Pods) -> None:
@@ -234,7 +240,8 @@ class Pilot:
             except ApiError as exc:  # the pod went away meanwhile, most likely: the next pass tells
                 logger.info(f"deletion cost of pod {pod} not written: {exc}")
         inputs = ScalingInputs(now, spec, int(self.body.get("spec", {}).get("replicas", 1)), summaries,
-                               pods.states, self.coordination, self.settings.dwell_s)
+                               pods.states, self.coordination, self.settings.dwell_s,
+                               self.scraper.summaries(since=now - spec.interval), pods.startups)
         step = scale(self.scaling, inputs) if spec.mode == "builtin" else watch_target(self.scaling, inputs)
         if step.scale_to is not None and step.direction is not None:  # an API error keeps the state we had
             await asyncio.to_thread(self.kube.patch, "InferenceService", key.namespace, key.name,
@@ -244,6 +251,26 @@ class Pilot:
         self.scaling, self.coordination = step.state, step.coordination
         if spec.mode == "builtin" and step.state.desired is not None:
             metrics.DESIRED_REPLICAS.labels(key.namespace, key.name).set(step.state.desired)
+        for record in step.records:
+            self.record(record)
+        for event in step.events:
+            await self.post_event(event.type, event.reason, event.message)
+
+    async def _tune(self, now: float, pods: Pods, report: ScrapeReport) -> None:
+        """The tuning step, its admin calls to the pods, and what it asks for."""
+        settings, key = self.settings, self.key
+        endpoints = {e.pod: e for e in pods.endpoints if e.pod in report.samples}
+        inputs = TuningInputs(now, settings.tuning, settings.limits, dict(settings.basis), self.scraper.windows,
+                              {p: s.settings for p, s in report.samples.items()}, endpoints, self.coordination,
+                              settings.dwell_s, len(pods.templates), len(report.failures))
+        admin = AdminClient(self.session, await self.admin_token(), timeout_s=10, attempts=3,
+                            backoff_s=0.2) if endpoints else None
+        step = await tune(self.tuning, inputs, admin)
+        self.tuning, self.coordination = step.state, step.coordination
+        if step.outcome is not None:
+            metrics.TUNING_DECISIONS.labels(key.namespace, key.name, step.outcome).inc()
+            if step.outcome == "rolled_back":
+                metrics.TUNING_ROLLBACKS.labels(key.namespace, key.name).inc()
         for record in step.records:
             self.record(record)
         for event in step.events:
@@ -274,16 +301,16 @@ class Pilot:
     def _publish(self) -> None:
         tuning = self.settings.tuning.enabled
         builtin = self.settings.scaling.enabled and self.settings.scaling.mode == "builtin"
-        conditions = tuple(c for c in (self.tuner.condition if tuning else None,
+        conditions = tuple(c for c in (self.tuning.condition if tuning else None,
                                        self.scaling.condition if builtin else None) if c is not None)
         fields: Manifest = {"decisions": self.decisions}
         if tuning:
-            fields["tuning"] = self.tuner.status()
+            fields["tuning"] = self.tuning.to_status()
         if builtin:
             fields["scaling"] = self.scaling.to_status()
         if self.metrics is not None:
             fields["metrics"] = self.metrics
-        view = PilotView(self.tuner.tuned, conditions, fields)
+        view = PilotView(self.tuning.tuned, conditions, fields)
         if view != self.view:
             self.view = view
             self.poke(self.key)
