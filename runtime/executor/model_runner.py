@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from kvpilot.kernels import ops as kernel_ops
+from kvpilot.kernels.reference import ReferenceOps
 from kvpilot.runtime.config import BLOCK_SIZES, EngineConfig
 from kvpilot.runtime.executor import kv_cache, kv_scales
 from kvpilot.runtime.executor.batch import fill_pending, to_device, to_tensors
@@ -191,12 +192,15 @@ class ModelRunner:
                               seq_lens=[1], query_start_loc=[0, 1], logits_rows=[0])
             self._probe(wide, self._caches_for(bs), bs)
 
-    def _probe(self, inputs: StepInputs, caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
-        """One eager forward pass and its logits over `caches`, for what it leaves behind (peak
-        memory, compiled kernels), not for its results."""
+    def _probe(self, inputs: StepInputs, caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+               ops: kernel_ops.Ops | None = None) -> None:
+        """One eager forward pass and its logits over `caches` (with `ops`, else the runner's), for
+        what it leaves behind (peak memory, compiled kernels, the caches' contents), not for its
+        results."""
+        ops = ops or self.ops
         input_ids, positions, meta = to_tensors(inputs, self.device)
         with torch.inference_mode():
-            hidden = self.model(input_ids, caches, self.ops.plan(meta, positions, self.rope, block_size), self.ops)
+            hidden = self.model(input_ids, caches, ops.plan(meta, positions, self.rope, block_size), ops)
             self.model.compute_logits(hidden[inputs.logits_rows])
 
     def _graphs_for(self, block_size: int) -> DecodeGraphs | None:
@@ -240,7 +244,11 @@ class ModelRunner:
             num_blocks = len(inputs.block_tables[0])
             caches = kv_cache.views(kv_cache.allocate(scratch, num_blocks * self.block_size), scratch,
                                     num_blocks=num_blocks)
-            self.model.set_kv_scales(kv_scales.measure(lambda c: self._probe(inputs, c, self.block_size), caches))
+            # the reference ops: the Triton kernels' variants for caches of the model's dtype, which
+            # serving never launches, would be compiled for this one pass
+            reference = ReferenceOps()
+            self.model.set_kv_scales(kv_scales.measure(lambda c: self._probe(inputs, c, self.block_size, reference),
+                                                       caches))
             source = f"measured on {n} calibration tokens"
         else:
             source = "from the checkpoint" if self.model.kv_scales_from_checkpoint else "1.0 (no calibration)"
