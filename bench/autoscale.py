@@ -43,7 +43,7 @@ from pathlib import Path
 
 from kvpilot.bench.arrival_trace import DAY_S, Trace, TraceError, day_trace, load_trace
 from kvpilot.bench.capacity_curve import CapacityCurve, CurveError, load_curve
-from kvpilot.bench.flags import positive
+from kvpilot.bench.flags import fraction, percent, positive_float, tolerance
 from kvpilot.bench.fleet import Foresight, Pipeline, Policy, SimConfig, simulate
 from kvpilot.bench.self_check import self_check
 from kvpilot.operator.autoscale import ScalingSpec
@@ -61,40 +61,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "module documents")
     g.add_argument("--trace", default=None, metavar="FILE", type=Path,
                    help="arrival rate over time, CSV time_s,rate or JSON (default: a built-in day with bursts)")
-    g.add_argument("--peak-rate", type=positive, default=None, metavar="REQ/S",
+    g.add_argument("--peak-rate", type=positive_float, default=None, metavar="REQ/S",
                    help="built-in trace: the day's peak before bursts (default: 8 replicas' worth at the SLO)")
-    g.add_argument("--duration", type=positive, default=DAY_S, metavar="SECONDS",
+    g.add_argument("--duration", type=positive_float, default=DAY_S, metavar="SECONDS",
                    help="built-in trace: the day squeezed into this long")
     g.add_argument("--bursts", type=int, default=8, help="built-in trace: bursts in the day")
     g.add_argument("--write-trace", default=None, metavar="FILE", type=Path,
                    help="write the trace simulated as CSV (time_s,rate), which --trace reads back")
     g = parser.add_argument_group("SLO and targets")
-    g.add_argument("--slo-ttft-ms", type=positive, default=1000.0, help="a request meets the SLO within this TTFT")
-    g.add_argument("--slo-e2e-ms", type=positive, default=None, help="...and, when given, within this E2E")
-    g.add_argument("--headroom", type=_fraction, nargs="+", default=[0.8], metavar="SHARE",
+    g.add_argument("--slo-ttft-ms", type=positive_float, default=1000.0, help="a request meets the SLO within this TTFT")
+    g.add_argument("--slo-e2e-ms", type=positive_float, default=None, help="...and, when given, within this E2E")
+    g.add_argument("--headroom", type=fraction, nargs="+", default=[0.8], metavar="SHARE",
                    help="targets are the signals' values at this share of the highest rate meeting the SLO; "
                         "several: each policy at each, and each shown at its best")
-    g.add_argument("--slo-goal", type=_percent, default=99.0, metavar="PERCENT",
+    g.add_argument("--slo-goal", type=percent, default=99.0, metavar="PERCENT",
                    help="the share of requests within the SLO a setting must reach to count as its policy's best")
-    g.add_argument("--hpa-target", type=positive, default=None, metavar="WAITING",
+    g.add_argument("--hpa-target", type=positive_float, default=None, metavar="WAITING",
                    help="hpa-queue's target, requests waiting per pod (default: as the builtin's, from the curve)")
     g.add_argument("--max-replicas", type=int, default=None, help="the policies' maxReplicas (default: 2x static)")
-    g.add_argument("--tolerance", type=_tolerance, default=DEFAULT_TOLERANCE, metavar="SHARE",
+    g.add_argument("--tolerance", type=tolerance, default=DEFAULT_TOLERANCE, metavar="SHARE",
                    help="the policies' tolerance: a ratio to the target within it changes nothing (default: the "
                         "HPA's 0.1)")
     g = parser.add_argument_group("cluster")
     g.add_argument("--startup-delay", type=float, default=120.0, metavar="SECONDS",
                    help="a new replica's time to Ready (image, model load)")
-    g.add_argument("--scrape-interval", type=positive, default=15.0, metavar="SECONDS",
+    g.add_argument("--scrape-interval", type=positive_float, default=15.0, metavar="SECONDS",
                    help="the operator's scrapes of every pod (builtin)")
-    g.add_argument("--prometheus-interval", type=positive, default=30.0, metavar="SECONDS",
+    g.add_argument("--prometheus-interval", type=positive_float, default=30.0, metavar="SECONDS",
                    help="Prometheus's scrapes, which the HPA reads through prometheus-adapter")
     g.add_argument("--metrics-lag", type=float, default=5.0, metavar="SECONDS",
                    help="a scrape's age before a decision can read it")
-    g.add_argument("--request-timeout", type=positive, default=60.0, metavar="SECONDS",
+    g.add_argument("--request-timeout", type=positive_float, default=60.0, metavar="SECONDS",
                    help="clients give up on a request queued this long")
     g = parser.add_argument_group("simulation")
-    g.add_argument("--tick", type=positive, default=1.0, metavar="SECONDS")
+    g.add_argument("--tick", type=positive_float, default=1.0, metavar="SECONDS")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--self-check-requests", type=int, default=20_000,
                    help="requests per curve point in the simulator's self-check")
@@ -225,28 +225,4 @@ def _trace(args: argparse.Namespace, slo_rate: float) -> Trace:
     if args.bursts < 0:
         raise ValueError(f"bursts: must be >= 0, not {args.bursts}")
     return day_trace(args.peak_rate or 8 * slo_rate, args.duration, bursts=args.bursts, seed=args.seed)
-
-
-def _percent(text: str) -> float:
-    value = positive(text)
-    if value > 100:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 100], not {text!r}")
-    return value
-
-
-def _tolerance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1), not {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = positive(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1], not {text!r}")
-    return value
 

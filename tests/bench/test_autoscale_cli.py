@@ -151,10 +151,10 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_bad_flags_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse("--capacity-curve", str(EXAMPLE), "--headroom", "1.5")
-    assert "must lie in (0, 1]" in capsys.readouterr().err
+    assert "must be a number in (0, 1]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse("--capacity-curve", str(EXAMPLE), "--slo-goal", "101")
-    assert "must lie in (0, 100]" in capsys.readouterr().err
+    assert "must be a number in (0, 100]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse("--capacity-curve", str(EXAMPLE), "--tolerance", "1")
-    assert "must lie in [0, 1)" in capsys.readouterr().err
+    assert "must be a number in [0, 1)" in capsys.readouterr().err
