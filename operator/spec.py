@@ -29,7 +29,7 @@ class ModelSpec(_Model):
     source: str
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
-    quantization: str | None = None
+    quantization: Literal["auto", "fp8", "awq", "gptq"] | None = None  # None: not passed (the runtime's auto)
     served_model_name: str | None = None
 
 

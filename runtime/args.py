@@ -78,9 +78,9 @@ class EngineArgs:
             batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
         device = self.device
         if device == "auto":
-            import torch
+            from kvpilot.runtime.cuda_probe import cuda_available
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = "cuda" if cuda_available() else "cpu"
         model = ModelConfig(
             model=source.path,
             served_model_name=self.served_model_name or source.name,
@@ -214,7 +214,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how the linear layers' weights are stored and multiplied: auto reads the checkpoint's "
                         "quantization_config (none for a plain checkpoint); fp8: float8 e4m3 weights with "
                         "per-output-channel scales and activations quantised per token (a plain checkpoint is "
-                        "quantised at load; compressed-tensors FP8 checkpoints are read as saved)")
+                        "quantised at load; compressed-tensors FP8 checkpoints are read as saved); awq, gptq: "
+                        "4-bit (GPTQ also 8-bit) integer weights with group-wise scales, read from a checkpoint "
+                        "saved by AutoAWQ or AutoGPTQ/GPTQModel and de-quantised inside the GEMM kernels")
     g.add_argument("--max-model-len", type=_positive_int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
     g = parser.add_argument_group("KV cache")

@@ -15,7 +15,7 @@ SCHEDULER_POLICIES = ("fcfs", "fair", "priority")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --quantization methods (`auto`, the flag's default, resolves to one of these or none: quantization.py)
-QUANTIZATION_METHODS = ("fp8",)
+QUANTIZATION_METHODS = ("fp8", "awq", "gptq")
 
 
 def _check(condition: bool, name: str, message: str) -> None:

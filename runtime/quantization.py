@@ -17,8 +17,6 @@ from kvpilot.runtime.config import QUANTIZATION_METHODS
 
 # Methods whose weights can be made from a plain checkpoint while it is read.
 QUANTIZE_AT_LOAD = ("fp8",)
-# quant_method values of Hugging Face checkpoints that are recognised, served or not.
-KNOWN_CHECKPOINT_METHODS = ("fp8", "awq", "gptq")
 
 
 class QuantizationMismatchError(ValueError):
@@ -36,7 +34,7 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
     method = str(qc.get("quant_method", "")).lower()
     if method == "compressed-tensors":
         return _compressed_tensors_method(qc)
-    if method in KNOWN_CHECKPOINT_METHODS:
+    if method in QUANTIZATION_METHODS:
         return method
     raise ValueError(f"the checkpoint's quantization_config has quant_method {method or 'missing'!r}; "
                      f"kvpilot reads {', '.join(QUANTIZATION_METHODS)} and compressed-tensors (FP8)")
@@ -62,17 +60,12 @@ def resolve_quantization(flag: str | None, hf_config: dict[str, Any], where: str
     saved = checkpoint_quantization(hf_config)
     if flag not in (None, "auto") and saved is not None and saved != flag:
         raise QuantizationMismatchError(
-            f"quantization: --quantization {flag} does not match the checkpoint, whose quantization_config "
-            f"says {saved} ({where}); pass --quantization {saved} or auto")
-    if saved is not None and saved not in QUANTIZATION_METHODS:
-        raise QuantizationMismatchError(
-            f"quantization: the checkpoint is quantized with {saved} ({where}), which kvpilot does not serve; "
-            f"it serves {', '.join(QUANTIZATION_METHODS)}")
+            f"quantization: {flag} does not match the checkpoint's quantization_config ({saved}, in {where}); "
+            f"pass --quantization {saved} or auto")
     if flag in (None, "auto"):
         return saved
     if saved is None and not dummy and flag not in QUANTIZE_AT_LOAD:
         raise QuantizationMismatchError(
-            f"quantization: --quantization {flag} needs a checkpoint saved in {flag}, but {where} has no "
-            "quantization_config (a plain checkpoint); kvpilot quantizes plain checkpoints at load only with "
-            f"{', '.join(QUANTIZE_AT_LOAD)}")
+            f"quantization: {flag} needs a checkpoint saved in {flag}, but {where} has no quantization_config "
+            f"(a plain checkpoint); kvpilot quantizes plain checkpoints at load only with {', '.join(QUANTIZE_AT_LOAD)}")
     return flag

@@ -10,8 +10,10 @@ Two sources, one layout (`weight` (N, K) float8_e4m3fn, `weight_scale` (N, 1) fl
   tensor (a per-tensor scale is repeated over the rows it covers, so a fused layer's q/k/v keep
   their own), and `input_scale` per tensor when activations are static (a fused layer quantizes
   its one input with the largest of its shards' scales, which never overflows).
-The product: on CUDA `torch._scaled_mm` (cuBLASLt) with row-wise scales; elsewhere de-quantized
-compute on the same quantized values, so CPU runs check loaders, scales and numerics.
+The product: on CUDA `torch._scaled_mm` (cuBLASLt) with row-wise scales, but for steps of at most
+`fp8_gemv.MAX_ROWS` tokens (decode at small batch) a Triton kernel that streams the weight at
+full bandwidth (kernels/fp8_gemv.py; benchmarks/bench_fp8_gpu.py times both); elsewhere
+de-quantized compute on the same quantized values, so CPU runs check loaders, scales and numerics.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ from kvpilot.runtime.executor.quant.base import (
     QuantizedInput,
     WeightSource,
 )
+
+try:
+    from kvpilot.kernels import fp8_gemv
+except ImportError:  # no Triton (a CPU-only install): the CUDA branch below is never taken
+    fp8_gemv = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,8 @@ class Fp8Method(LinearMethod):
         if not isinstance(x, QuantizedInput):
             x = QuantizedInput(*quantize_fp8(x, layer.static_scale))
         if x.data.is_cuda:
+            if fp8_gemv is not None and x.data.shape[0] <= fp8_gemv.MAX_ROWS:
+                return fp8_gemv.fp8_gemv(x.data, x.scales, layer.weight, layer.weight_scale, layer.bias, layer.dtype)
             # weight.t() is (K, N) column-major, as cuBLASLt wants its second operand
             return torch._scaled_mm(x.data, layer.weight.t(), scale_a=x.scales, scale_b=layer.weight_scale.t(),
                                     bias=layer.bias, out_dtype=layer.dtype)
