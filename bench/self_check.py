@@ -85,7 +85,7 @@ def self_check(curve: CapacityCurve, config: SimConfig, requests_per_point: int,
     for i, point in enumerate(curve.points):
         duration = math.ceil(requests_per_point / point.request_rate / config.tick_s) * config.tick_s
         trace = Trace(np.array([0.0, duration]), np.array([point.request_rate] * 2), "steady")
-        one = Policy("self-check", None, Pipeline(duration, "latest"), 1)
+        one = Policy("self-check", None, Pipeline(duration), 1)
         result = simulate(curve, trace, one, replace(config, seed=config.seed + i), record_latencies=True)
         if point.num_requests is None:
             simulated = {"throughput": result.num_requests / result.duration_s}

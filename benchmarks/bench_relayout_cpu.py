@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from kvpilot.runtime import LLM, SamplingParams
-from kvpilot.runtime.engine.sequence import SequenceStatus
 from kvpilot.runtime.model_source import load_preset
+from kvpilot.runtime.sched.sequence import SequenceStatus
 
 FIELDS = ("plan_ms", "wait_ms", "copy_ms", "swap_ms", "rebuild_ms", "pause_ms")
 

@@ -38,7 +38,7 @@ import torch
 from kvpilot.bench.percentile import percentile
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.config import BLOCK_SIZES
-from kvpilot.runtime.engine.sequence import Request
+from kvpilot.runtime.sched.sequence import Request
 
 MiB = 1 << 20
 

@@ -18,20 +18,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import metrics
 from .events import build_event
+from .key import Key
 from .kube import ApiError, Kube
 from .manifests import GROUP
 from .model_source import SpecError
+from .objects import Manifest
 from .pilot_spec import measurement_basis
 from .reconcile import Change, Desired, Extras, reconcile
-from .status import api_error_status, invalid_spec_status, merge_conditions, now_iso, status_changes
+from .status import api_error_status, invalid_spec_status, merge_conditions, status_changes
+from .timestamps import now_iso
 
 if TYPE_CHECKING:
+    from .autotune.live_config import LiveConfig
     from .pilot import Pilots, PilotSettings
 
 logger = logging.getLogger(__name__)
@@ -43,16 +46,6 @@ LEGACY_FINALIZER = f"{GROUP}/finalizer"
 # at once, since waiting does not fix RBAC.
 PERSISTENT_AFTER = 3
 
-Manifest = dict[str, Any]
-
-
-@dataclass(frozen=True, order=True)
-class Key:
-    namespace: str
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.namespace}/{self.name}"
 
 
 class Next(Enum):
@@ -93,7 +86,8 @@ class Controller:
                 self._pilot(key, None, {})
                 return Next.DONE
             view = self.pilots.view(key) if self.pilots is not None else None
-            extras = dataclasses.replace(self.extras, tuned=view.tuned if view is not None else None)
+            extras = self.extras if view is None else dataclasses.replace(self.extras, tuned=view.tuned,
+                                                                          tuned_by_pilot=True)
             try:
                 outcome = reconcile(self.kube, body, self.image, now_iso(), extras)
             except SpecError as exc:
@@ -121,7 +115,8 @@ class Controller:
             self._write_status(body, status)
             if outcome.desired is not None:
                 # what status holds after the write: a new pilot (an operator restart) starts from it
-                self._pilot(key, self._pilot_settings(outcome.desired), {**(body.get("status") or {}), **status})
+                self._pilot(key, self._pilot_settings(outcome.desired), {**(body.get("status") or {}), **status},
+                            outcome.tuned)
             return Next.DONE
         except ApiError as exc:
             metrics.API_ERRORS.labels(status=str(exc.status)).inc()
@@ -133,9 +128,10 @@ class Controller:
                 self._report_api_error(body, exc)
             return Next.BACK_OFF
 
-    def _pilot(self, key: Key, settings: PilotSettings | None, status: Manifest) -> None:
+    def _pilot(self, key: Key, settings: PilotSettings | None, status: Manifest,
+               tuned: LiveConfig | None = None) -> None:
         if self.pilots is not None:
-            self.pilots.sync(key, settings, status)
+            self.pilots.sync(key, settings, status, tuned)
 
     def _pilot_settings(self, desired: Desired) -> PilotSettings:
         from .autotune.live_config import EngineLimits

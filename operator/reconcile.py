@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from .compare import covers
 from .kube import Kube
 from .manifests import (
     SPEC_HASH_ANNOTATION,
+    TUNED_CONFIG_KEY,
     Manifest,
     Owner,
     build_admin_secret,
@@ -36,6 +38,7 @@ from .manifests import (
     build_service,
     build_tuned_config_map,
     child_metadata,
+    selector_string,
     tunes_live,
     with_spec_hash,
 )
@@ -43,7 +46,7 @@ from .model_source import ModelSource, SpecError, resolve_model_source
 from .monitoring import EngineMonitoring, build_pod_monitor
 from .pilot_spec import scaling_spec, tuning_spec
 from .spec import InferenceServiceSpec
-from .status import build_status, condition
+from .status import build_status, condition, engine_failure
 
 MONITORING_GROUP, MONITORING_VERSION = "monitoring.coreos.com", "v1"
 
@@ -66,6 +69,7 @@ class Outcome:
     status: Manifest
     changes: list[Change] = field(default_factory=list)
     desired: Desired | None = None
+    tuned: LiveConfig | None = None  # the tuned config this reconcile wrote into the ConfigMap or flags
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,13 @@ class Extras:
     pilot's tuned config (None until it tuned something)."""
 
     tuned: LiveConfig | None = None
+    # whether `tuned` is a pilot's view; without one (no pilot runs yet, as after an operator
+    # start) the reconcile keeps what an earlier operator left (`recorded_tuned`), so that a
+    # restart rolls no pod and rewrites no ConfigMap
+    tuned_by_pilot: bool = False
     monitoring: EngineMonitoring = EngineMonitoring()
     prometheus_address: str | None = None  # KEDA's Prometheus when the spec names none
+    engine_cache_host_path: str | None = None  # a node folder every engine pod's caches share
 
 
 def parse(body: Any) -> Desired:
@@ -188,6 +197,21 @@ def _delete_owned(kube: Kube, kind: str, owner: Owner, name: str, changes: list[
         changes.append(Change("Deleted", kind, name))
 
 
+def recorded_tuned(kube: Kube, desired: Desired, status: Manifest) -> LiveConfig | None:
+    """The tuned config an earlier operator left: with `apply: live` the ConfigMap's (what pods
+    start on; a reconcile writes it before status, so it is never the older of the two), else
+    `status.tuning.config`."""
+    owner = desired.owner
+    if tunes_live(desired.spec):
+        config_map = kube.get("ConfigMap", owner.namespace, owner.tuned_config_name) or {}
+        try:
+            values = json.loads((config_map.get("data") or {}).get(TUNED_CONFIG_KEY) or "{}")
+            return LiveConfig.from_engine(values)
+        except (ValueError, TypeError):  # {} before the first change, or not ours to read
+            pass
+    return LiveConfig.from_status((status.get("tuning") or {}).get("config"))
+
+
 def _tuned_config(kube: Kube, desired: Desired, tuned: LiveConfig | None, changes: list[Change]) -> None:
     """The ConfigMap a pod started later reads its tuned config from (apply: live)."""
     owner = desired.owner
@@ -251,13 +275,16 @@ def _pod_monitor(kube: Kube, owner: Owner, monitoring: EngineMonitoring, served:
 def reconcile(kube: Kube, body: Any, image: str, now: str, extras: Extras = Extras()) -> Outcome:
     desired = parse(body)
     owner, spec, source = desired.owner, desired.spec, desired.source
-    tuned = extras.tuned if spec.autotune.enabled else None
+    tuned = None
+    if spec.autotune.enabled:
+        tuned = extras.tuned if extras.tuned_by_pilot else recorded_tuned(kube, desired, body.get("status") or {})
     tuned_spec = with_tuned(spec, tuned)
     changes: list[Change] = []
     ensure_admin_secret(kube, owner, changes)
     _tuned_config(kube, desired, tuned, changes)
     pod_spec = tuned_spec if spec.autotune.apply == "rollout" else spec
-    deployment = apply(kube, owner, build_deployment(owner, pod_spec, source, spec.image or image), changes)
+    deployment = apply(kube, owner, build_deployment(owner, pod_spec, source, spec.image or image,
+                                                     extras.engine_cache_host_path), changes)
     apply(kube, owner, build_service(owner), changes)
     if spec.pod_disruption_budget.enabled:
         apply(kube, owner, build_pdb(owner, spec), changes)
@@ -265,9 +292,11 @@ def reconcile(kube: Kube, body: Any, image: str, now: str, extras: Extras = Extr
         _delete_owned(kube, "PodDisruptionBudget", owner, owner.name, changes)
     served = _served(kube.api_groups())
     extra_conditions = [_pod_monitor(kube, owner, extras.monitoring, served, changes)]
+    if (failed := engine_failure(kube.list_objects("Pod", owner.namespace, selector_string(owner)))) is not None:
+        extra_conditions.append(failed)  # overrides the rollout's Degraded: the pods say why they do not start
     if (scaling := _autoscaler(kube, desired, extras, served, changes)) is not None:
         extra_conditions.append(scaling)
     generation = body.get("metadata", {}).get("generation", 0)
     status = build_status(body.get("status") or {}, generation, owner, tuned_spec, source, deployment, now,
                           extra_conditions)
-    return Outcome(status=status, changes=changes, desired=desired)
+    return Outcome(status=status, changes=changes, desired=desired, tuned=tuned)

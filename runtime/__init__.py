@@ -19,7 +19,7 @@ _EXPORTS = {
     "CacheConfig": "kvpilot.runtime.config",
     "SchedulerConfig": "kvpilot.runtime.config",
     "ModelConfig": "kvpilot.runtime.config",
-    "Tokenizer": "kvpilot.runtime.engine.tokenizer",
+    "Tokenizer": "kvpilot.runtime.tokenizer",
 }
 
 __all__ = [
@@ -29,10 +29,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from kvpilot.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from kvpilot.runtime.engine.tokenizer import Tokenizer
     from kvpilot.runtime.llm import LLM
     from kvpilot.runtime.outputs import CompletionOutput, RequestOutput
     from kvpilot.runtime.sampling_params import SamplingParams
+    from kvpilot.runtime.tokenizer import Tokenizer
 
 
 def __getattr__(name: str) -> Any:

@@ -19,6 +19,7 @@ from kvpilot.runtime.config import (
     DTYPES,
     LOAD_FORMATS,
     PREEMPTION_MODES,
+    QUANTIZATION_METHODS,
     SCHEDULER_POLICIES,
     CacheConfig,
     DeviceConfig,
@@ -35,7 +36,7 @@ class EngineArgs:
     served_model_name: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
-    quantization: str | None = None
+    quantization: str | None = "auto"  # auto (or None): the checkpoint's quantization_config
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     block_size: int = 16
@@ -61,8 +62,11 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model and the defaults that depend on it; validate everything."""
         from kvpilot.runtime.model_source import resolve_model
+        from kvpilot.runtime.quantization import resolve_quantization
 
         source = resolve_model(self.model, self.load_format, tokenizer=self.tokenizer)
+        quantization = resolve_quantization(self.quantization, source.hf_config, source.path,
+                                            dummy=source.load_format == "dummy")
         self._check_tensor_parallel(source.hf_config)
         native_len = source.max_position_embeddings
         max_model_len = self.max_model_len or native_len
@@ -75,15 +79,15 @@ class EngineArgs:
             batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
         device = self.device
         if device == "auto":
-            import torch
+            from kvpilot.runtime.cuda_probe import cuda_available
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = "cuda" if cuda_available() else "cpu"
         model = ModelConfig(
             model=source.path,
             served_model_name=self.served_model_name or source.name,
             load_format=source.load_format,
             dtype=self.dtype,
-            quantization=self.quantization,
+            quantization=quantization,
             max_model_len=max_model_len,
             tokenizer=source.tokenizer,
             seed=self.seed,
@@ -188,7 +192,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format)
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="auto: bfloat16 on GPU, float32 on CPU")
-    g.add_argument("--quantization", default=None)
+    g.add_argument("--quantization", choices=("auto", *QUANTIZATION_METHODS), default=d.quantization,
+                   help="how the linear layers' weights are stored and multiplied: auto reads the checkpoint's "
+                        "quantization_config (none for a plain checkpoint); fp8: float8 e4m3 weights with "
+                        "per-output-channel scales and activations quantised per token (a plain checkpoint is "
+                        "quantised at load; compressed-tensors FP8 checkpoints are read as saved); awq, gptq: "
+                        "4-bit (GPTQ also 8-bit) integer weights with group-wise scales, read from a checkpoint "
+                        "saved by AutoAWQ or AutoGPTQ/GPTQModel and de-quantised inside the GEMM kernels")
     g.add_argument("--max-model-len", type=positive_int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
     g = parser.add_argument_group("KV cache")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Literal
 
 from ..autotune.live_config import LiveConfig
 from ..autotune.policy import Decision
+from ..timestamps import iso
 from .policy import ScaleDecision
 
 HISTORY_LIMIT = 20
@@ -32,7 +32,7 @@ class DecisionRecord:
 
     def to_status(self) -> dict[str, Any]:
         reason = self.reason if len(self.reason) <= MAX_REASON_CHARS else self.reason[:MAX_REASON_CHARS - 1] + "…"
-        return {"time": datetime.fromtimestamp(self.time, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "kind": self.kind,
+        return {"time": iso(self.time), "kind": self.kind,
                 "from": self.before, "to": self.after, "reason": reason,
                 "metrics": {name: round(value, 6) for name, value in self.metrics.items()}}
 
@@ -41,6 +41,9 @@ def scale_record(decision: ScaleDecision) -> DecisionRecord:
     metrics: dict[str, float] = {"target": decision.target}
     if decision.value is not None:
         metrics[decision.metric] = decision.value
+    if decision.forecast is not None:
+        metrics["arrivalRate"] = decision.forecast.rate_now
+        metrics["forecastRate"] = decision.forecast.rate_ahead
     return DecisionRecord(decision.time, "scale", str(decision.current), str(decision.desired), decision.reason,
                           metrics)
 

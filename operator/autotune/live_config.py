@@ -9,6 +9,8 @@ from typing import Any
 BLOCK_SIZES = (8, 16, 32, 64)
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULER_POLICIES = ("fcfs", "fair", "priority")
+_CAMEL = {"block_size": "blockSize", "preemption_mode": "preemptionMode", "max_num_seqs": "maxNumSeqs",
+          "max_num_batched_tokens": "maxNumBatchedTokens", "scheduler_policy": "schedulerPolicy"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,18 @@ class LiveConfig:
             return cls(**{name: config[name] for name in cls.__dataclass_fields__})
         except KeyError as e:
             raise ValueError(f"{e.args[0]}: missing from the engine's config {dict(config)}") from None
+
+    def to_status(self) -> dict[str, Any]:
+        """`status.tuning.config`'s spelling (the CRD's camelCase)."""
+        return {_CAMEL[name]: value for name, value in asdict(self).items()}
+
+    @classmethod
+    def from_status(cls, config: Mapping[str, Any] | None) -> LiveConfig | None:
+        """What `to_status` wrote; None for a missing or unreadable one."""
+        try:
+            return cls(**{name: (config or {})[camel] for name, camel in _CAMEL.items()})
+        except (KeyError, TypeError, ValueError):
+            return None
 
     def changes_to(self, target: LiveConfig) -> dict[str, int | str]:
         """The body of the `POST /admin/config` that turns this config into `target`."""

@@ -69,6 +69,12 @@ class Outcomes:
         self.basis: dict[str, str] = dict(basis or {})
         self._dropped = False  # a rebase dropped figures: status must lose them too, until new ones come
 
+    def copy(self) -> Outcomes:
+        """An independent copy: the tuner's step adds to a copy, never to the state it was given."""
+        other = Outcomes(self.basis)
+        other._sums, other._pauses, other._dropped = dict(self._sums), dict(self._pauses), self._dropped
+        return other
+
     def rebase(self, basis: Mapping[str, str]) -> list[str]:
         """Holds the figures to `basis` from now on. When they were measured under another one,
         they are dropped, and the return names each difference ("model: a -> b"); a memory without

@@ -1,1 +1,1 @@
-"""The step loop and what it decides with: scheduler, block manager, sequences, the asyncio front. No tensors."""
+"""The engine core process of `kvpilot serve` (core.py: the busy loop) and the `LLMEngine` it runs, which `LLM` runs in the caller's process: the step (schedule → run → postprocess) over the bookkeeping (sched/) and the executor."""

@@ -15,11 +15,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvpilot.runtime.engine.block_manager import BlockManager
-from kvpilot.runtime.engine.relayout import gc_paused, plan_relayout
-from kvpilot.runtime.engine.scheduler import Scheduler
 from kvpilot.runtime.executor import kv_cache
 from kvpilot.runtime.executor.model_runner import ModelRunner
+from kvpilot.runtime.sched.block_manager import BlockManager
+from kvpilot.runtime.sched.relayout import gc_paused, plan_relayout
+from kvpilot.runtime.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpilot.runtime.engine.sequence import Request, Sequence
 from kvpilot.runtime.executor.inputs import RowLogprobs
 from kvpilot.runtime.outputs import Logprob
+from kvpilot.runtime.sched.sequence import Request, Sequence
 
 Decode = Callable[[int], str | None]
 

@@ -4,9 +4,9 @@ runner never sees a `Sequence`. No torch."""
 
 from __future__ import annotations
 
-from kvpilot.runtime.engine.scheduler import ScheduledSeq
-from kvpilot.runtime.engine.sequence import Sequence
 from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
+from kvpilot.runtime.sched.scheduler import ScheduledSeq
+from kvpilot.runtime.sched.sequence import Sequence
 
 PENDING = -1  # the input id of a pending token until the runner fills it in on the device
 

@@ -10,13 +10,14 @@ num_kv_heads, head_dim) view.
 
 `KVCacheLayout` is what the runner reports when it builds or re-cuts the cache; the engine sizes
 its block manager and swap space from it. `relayout` carries out a `RelayoutPlan`
-(engine/relayout.py) on flat cache tensors of one layout — the device cache and the host swap
+(sched/relayout.py) on flat cache tensors of one layout — the device cache and the host swap
 space alike — in batches whose temporary memory the plan bounds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import mmap
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,7 +36,7 @@ class Writes(Protocol):  # engine.relayout.Writes
     src: np.ndarray  # (n, k) old blocks, -1 past a sequence's end
 
 
-class Plan(Protocol):  # engine.relayout.RelayoutPlan, by shape (the executor does not import the engine)
+class Plan(Protocol):  # sched.relayout.RelayoutPlan, by shape (the executor does not import the engine)
     old_block_size: int
     new_block_size: int
     num_old_blocks: int
@@ -114,7 +115,15 @@ def allocate(layout: KVCacheLayout, num_tokens: int) -> torch.Tensor:
     of all of them (`stacked_view`): the swap space moves a block of every layer with one gather or
     scatter instead of one per row."""
     n = num_tokens * layout.num_kv_heads * layout.head_dim
-    return torch.zeros(2 * layout.num_layers, n, dtype=layout.dtype, device=layout.device)
+    if torch.device(layout.device).type != "cpu":
+        return torch.zeros(2 * layout.num_layers, n, dtype=layout.dtype, device=layout.device)
+    # on the CPU, anonymous memory: the kernel hands out zeroed pages as they are first written, so
+    # start-up does not touch the whole cache (a GiB by default) the way zeros' memset does
+    nbytes = 2 * layout.num_layers * n * layout.dtype.itemsize
+    memory = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)  # as the weights get (cli.py's THP_MEM_ALLOC_ENABLE)
+    return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(layout.dtype).view(2 * layout.num_layers, n)
 
 
 def block_view(flat: torch.Tensor, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -1,1 +1,1 @@
-"""The HTTP server: app, OpenAI serving, protocol, admin routes, metrics, errors, `kvpilot serve`."""
+"""The API process of `kvpilot serve`: the HTTP app, OpenAI serving, protocol, admin routes, metrics, errors, and `AsyncEngine` (the engine core's client) with its output processor (detokenizing, stop strings)."""

@@ -27,18 +27,18 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvpilot.runtime.engine.async_engine import (
+from kvpilot.runtime.errors import RequestError
+from kvpilot.runtime.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
+from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.sched.sequence import DEFAULT_TENANT
+from kvpilot.runtime.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
     QueueFullError,
     RequestStream,
 )
-from kvpilot.runtime.engine.sequence import DEFAULT_TENANT
-from kvpilot.runtime.engine.tokenizer import Tokenizer
-from kvpilot.runtime.errors import RequestError
-from kvpilot.runtime.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
-from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvpilot.runtime.tokenizer import Tokenizer
 
 # a choice of one chunk/response, built from its request's output, one completion (numbered as a
 # choice) and the numbers of characters and tokens of it already sent

@@ -1,4 +1,4 @@
-"""Whom a request is served for (its *tenant*, see engine/policies.py), decided at the HTTP edge.
+"""Whom a request is served for (its *tenant*, see sched/policies.py), decided at the HTTP edge.
 
 With `--api-key-file`, the tenant is the identity that the file gives the request's API key: one
 `KEY TENANT` pair per line, blank lines and `#` comments ignored. A request must then carry one of
@@ -16,7 +16,7 @@ import hmac
 import re
 from dataclasses import dataclass, field
 
-from kvpilot.runtime.engine.sequence import DEFAULT_TENANT
+from kvpilot.runtime.sched.sequence import DEFAULT_TENANT
 
 # Tenants are metric label values and appear in logs: keep them plain. "other" is the metrics'
 # label for the tenants beyond the ones shown by name.

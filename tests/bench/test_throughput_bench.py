@@ -63,8 +63,8 @@ def test_the_floor_counts_the_weights_a_step_reads_whole(tied: bool) -> None:
 
 
 def test_a_sharegpt_file_takes_its_replies_lengths_from_the_models_tokenizer(tmp_path: Path) -> None:
-    from kvpilot.runtime.engine.tokenizer import Tokenizer
     from kvpilot.runtime.model_source import resolve_model
+    from kvpilot.runtime.tokenizer import Tokenizer
 
     out = tmp_path / "throughput.json"
     assert throughput.run(parse("--dataset-path", str(SHAREGPT), "--num-prompts", "2", "--output", str(out),

@@ -2,12 +2,10 @@
 emulation of test_operator_lifecycle.py, with Pod objects whose IPs point at engine stand-ins on
 loopback.
 
-Each stand-in serves what a `kvpilot serve` pod serves to the operator — `/metrics` in the
-runtime's names and buckets (tests/support/autotune_fixtures.PodMetrics) and Bearer-authenticated
-`GET/POST /admin/config` with the engine's answer layout — and nothing else: a real server with
-a burst that queues over a hundred requests takes minutes on two cores. The queue and the KV
-usage a stand-in reports are set by the test; every scrape counts five finished requests. The
-last test drives a real `kvpilot serve` (the embedded model on CPU) through a canary instead.
+Each stand-in (tests/support/engine_pods.py) serves what a `kvpilot serve` pod serves to the
+operator and nothing else: a real server with a burst that queues over a hundred requests takes
+minutes on two cores. The last test drives a real `kvpilot serve` (the embedded model on CPU)
+through a canary instead.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from typing import Any
 
 import aiohttp.web
 import pytest
-from autotune_fixtures import PodMetrics
+from engine_pods import RELAYOUT_PAUSE_MS, EnginePod, serve
 from file_modules import load_module
 from prometheus_client import REGISTRY
 
@@ -32,55 +30,8 @@ _lifecycle = load_module(Path(__file__).with_name("test_operator_lifecycle.py"),
 Cluster, cluster, eventually, operator, NS = (_lifecycle.Cluster, _lifecycle.cluster, _lifecycle.eventually,
                                              _lifecycle.operator, _lifecycle.NS)
 SELECTOR = {"app.kubernetes.io/name": "kvpilot", "serving.kvpilot.io/inferenceservice": "smol"}
-RELAYOUT_PAUSE_MS = 12.5  # what a stand-in reports a block-size change paused it for
 FAST_TUNING = {"enabled": True, "interval": "1s", "cooldown": "1s", "minDwell": "1s",
                "canary": {"window": "1s", "timeout": "30s", "minRequests": 1}}
-
-
-class EnginePod:
-    """A stand-in for one engine pod's HTTP surface the operator uses."""
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-        self.waiting, self.kv = 0.0, 0.2
-        self.refuse: str | None = None  # POST /admin/config answers 400 with this message
-        self.posts: list[dict[str, Any]] = []
-        self.restart()
-
-    def restart(self) -> None:
-        """A new process: counters from zero, the flags' config (16, recompute)."""
-        self.config = {"block_size": 16, "preemption_mode": "recompute", "scheduler_policy": "fcfs",
-                       "max_num_seqs": 256, "max_num_batched_tokens": 2048, "max_model_len": 2048,
-                       "num_blocks": 1000}
-        self.metrics = PodMetrics(block_size=16, mode="recompute")
-
-    async def metrics_page(self, _: aiohttp.web.Request) -> aiohttp.web.Response:
-        self.metrics.set(waiting=self.waiting, running=8, kv=self.kv)
-        self.metrics.serve(5)
-        return aiohttp.web.Response(body=self.metrics.text().encode(), content_type="text/plain")
-
-    def _authorized(self, request: aiohttp.web.Request) -> bool:
-        return request.headers.get("Authorization") == f"Bearer {self.token}"
-
-    async def admin_config(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
-        if not self._authorized(request):
-            return aiohttp.web.json_response({"error": {"message": "bad token"}}, status=401)
-        if request.method == "GET":
-            return aiohttp.web.json_response(self.config)
-        changes = await request.json()
-        self.posts.append(changes)
-        if self.refuse is not None:
-            return aiohttp.web.json_response({"error": {"message": self.refuse}}, status=400)
-        applied = {k: {"old": self.config[k], "new": v} for k, v in changes.items() if self.config[k] != v}
-        self.config.update(changes)
-        self.metrics.configure(self.config["block_size"], self.config["preemption_mode"], 1000)
-        relayout = {"pause_ms": RELAYOUT_PAUSE_MS} if "block_size" in applied else None
-        return aiohttp.web.json_response({"applied": applied, "duration_s": 0.001, "config": self.config,
-                                          "relayout": relayout})
-
-    @property
-    def settings(self) -> tuple[int, str]:
-        return self.config["block_size"], self.config["preemption_mode"]
 
 
 @pytest.fixture(autouse=True)
@@ -102,15 +53,8 @@ async def pods(cluster: Any) -> AsyncIterator[Any]:
         started = {}
         for name in names:
             pod = EnginePod(token)
-            app = aiohttp.web.Application()
-            app.add_routes([aiohttp.web.get("/metrics", pod.metrics_page),
-                            aiohttp.web.route("*", "/admin/config", pod.admin_config)])
-            runner = aiohttp.web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
+            runner, port = await serve(pod)
             runners.append(runner)
-            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
             await cluster.request("POST", f"/api/v1/namespaces/{NS}/pods", {
                 "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": SELECTOR},
                 "spec": {"containers": [{"name": "server", "image": "kvpilot:test",

@@ -12,7 +12,7 @@ import pytest
 
 from kvpilot.operator.autoscale import ScalingSpec
 from kvpilot.operator.autotune import EngineLimits, TuningSpec
-from kvpilot.operator.controller import Key
+from kvpilot.operator.key import Key
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.manifests import Owner
 from kvpilot.operator.pilot import Pilot, Pilots, PilotSettings
@@ -42,7 +42,7 @@ async def test_stopping_a_pilot_lets_the_callers_cancellation_through() -> None:
             await release.wait()
 
     async with aiohttp.ClientSession() as session:
-        pilot = Pilot(KEY, NO_KUBE, session, SETTINGS, {}, poke=lambda key: None)
+        pilot = Pilot(KEY, NO_KUBE, session, SETTINGS, {}, None, poke=lambda key: None)
         pilot._task = asyncio.create_task(slow_to_end())
         await asyncio.sleep(0)
         stopping = asyncio.create_task(pilot.stop())
@@ -62,7 +62,7 @@ async def test_a_pilot_stopped_in_the_turn_it_is_woken_stops() -> None:
     loop of passes ends all the same. (Python 3.11's wait_for returned the wake-up and dropped the
     cancellation: the loop went on and stop waited for it forever.)"""
     async with aiohttp.ClientSession() as session:
-        pilot = Pilot(KEY, NO_KUBE, session, SETTINGS, {}, poke=lambda key: None)
+        pilot = Pilot(KEY, NO_KUBE, session, SETTINGS, {}, None, poke=lambda key: None)
         passes = 0
 
         async def run_once() -> None:  # a pass without an API server

@@ -43,6 +43,11 @@ class FakeKube:
         obj = self.objects.get((kind, namespace, name))
         return copy.deepcopy(obj) if obj else None
 
+    def list_objects(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        wanted = dict(pair.split("=", 1) for pair in selector.split(","))
+        return [copy.deepcopy(o) for (k, ns, _), o in self.objects.items() if k == kind and ns == namespace
+                and wanted.items() <= (o["metadata"].get("labels") or {}).items()]
+
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         self._write("create", obj["kind"], obj["metadata"]["name"])
         if (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]) in self.objects:
@@ -265,14 +270,15 @@ def test_live_tuning_mounts_the_tuned_config_map_and_rollout_tuning_writes_the_f
     template = kube.objects["Deployment", "default", "llama"]["spec"]["template"]
     tuned = LiveConfig(8, "swap", 128, 2048)
     kube.writes.clear()
-    outcome = reconcile(kube, body, "kvpilot:test", "2026-01-01T00:00:00Z", Extras(tuned=tuned))  # type: ignore[arg-type]
+    by_pilot = Extras(tuned=tuned, tuned_by_pilot=True)
+    outcome = reconcile(kube, body, "kvpilot:test", "2026-01-01T00:00:00Z", by_pilot)  # type: ignore[arg-type]
     assert json.loads(kube.objects["ConfigMap", "default", "llama-tuned"]["data"]["tuned.json"])["block_size"] == 8
     assert kube.objects["Deployment", "default", "llama"]["spec"]["template"] == template  # no pod restarts
     assert kube.writes == [("replace", "ConfigMap", "llama-tuned")]
     assert outcome.status["engineRollingOut"]["blockSize"] == 8  # the status shows the tuned config
 
     body["spec"]["autotune"]["apply"] = "rollout"
-    reconcile(kube, body, "kvpilot:test", "2026-01-01T00:00:00Z", Extras(tuned=tuned))  # type: ignore[arg-type]
+    reconcile(kube, body, "kvpilot:test", "2026-01-01T00:00:00Z", by_pilot)  # type: ignore[arg-type]
     args = kube.objects["Deployment", "default", "llama"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--block-size") + 1] == "8" and args[args.index("--preemption-mode") + 1] == "swap"
     assert "--tuned-config" not in args
@@ -284,3 +290,33 @@ def test_a_canary_longer_than_its_timeout_is_a_spec_error(kube: FakeKube, make_i
     with pytest.raises(SpecError, match=r"spec.autotune: timeout_s: must be >= window_s"):
         _run(kube, body)
     assert kube.writes == []
+
+
+def test_without_a_pilot_the_reconcile_keeps_the_tuned_config_an_earlier_operator_left(
+        kube: FakeKube, make_isvc: Callable[..., Any]) -> None:
+    """The first reconcile after an operator start (no pilot yet): apply live keeps the ConfigMap
+    (and takes it over a status that lags it), apply rollout keeps the tuned flags from status."""
+    import json
+
+    from kvpilot.operator.autotune import LiveConfig
+    from kvpilot.operator.reconcile import Extras
+
+    body = make_isvc({"model": {"source": "embedded"}, "autotune": {"enabled": True}})
+    tuned = LiveConfig(8, "swap", 128, 2048)
+    reconcile(kube, body, "kvpilot:test", "2026-01-01T00:00:00Z", Extras(tuned, tuned_by_pilot=True))  # type: ignore[arg-type]
+    kube.writes.clear()
+    outcome = _run(kube, body)  # status knows nothing of it: the ConfigMap is newer
+    assert kube.writes == [] and outcome.tuned == tuned
+    assert json.loads(kube.objects["ConfigMap", "default", "llama-tuned"]["data"]["tuned.json"])["block_size"] == 8
+
+    body["spec"]["autotune"]["apply"] = "rollout"
+    body["status"] = {"tuning": {"config": tuned.to_status()}}
+    reconcile(kube, body, "kvpilot:test", "2026-01-01T00:00:00Z", Extras(tuned, tuned_by_pilot=True))  # type: ignore[arg-type]
+    template = copy.deepcopy(kube.objects["Deployment", "default", "llama"]["spec"]["template"])
+    kube.writes.clear()
+    assert _run(kube, body).tuned == tuned
+    assert kube.writes == [] and kube.objects["Deployment", "default", "llama"]["spec"]["template"] == template
+    del body["status"]  # nothing recorded anywhere: the spec's own flags
+    _run(kube, body)
+    args = kube.objects["Deployment", "default", "llama"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--block-size") + 1] == "16"

@@ -12,10 +12,10 @@ import signal
 from types import SimpleNamespace
 from typing import Any
 
-from kvpilot.runtime.engine.sequence import DEFAULT_TENANT, Request, SequenceStatus
 from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.sched.sequence import DEFAULT_TENANT, Request, SequenceStatus
 
 NUM_TOKENS = 3
 TOKENS = {"hi": 1, "crash": 2, "explode": 3, "hold": 4, "die": 5}

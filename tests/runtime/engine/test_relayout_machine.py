@@ -25,8 +25,8 @@ from hypothesis.stateful import (
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.config import BLOCK_SIZES
 from kvpilot.runtime.engine.engine import LLMEngine
-from kvpilot.runtime.engine.scheduler import SchedulerOutput
-from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
+from kvpilot.runtime.sched.scheduler import SchedulerOutput
+from kvpilot.runtime.sched.sequence import Sequence, SequenceStatus
 
 MAX_LEN, MAX_TOKENS = 128, 20
 BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # K and V x 3 layers x 2 KV heads x head dim 16 x fp32

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import itertools
 
-from kvpilot.runtime.engine.scheduler import ScheduledSeq
-from kvpilot.runtime.engine.sequence import Request
 from kvpilot.runtime.engine.step_inputs import PENDING, build_step_inputs
 from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.sched.scheduler import ScheduledSeq
+from kvpilot.runtime.sched.sequence import Request
 
 SEQ_IDS = itertools.count()
 

@@ -1,4 +1,4 @@
-"""Re-laying a cache in place (engine/relayout.py plans, executor/kv_cache.py copies): every kept
+"""Re-laying a cache in place (sched/relayout.py plans, executor/kv_cache.py copies): every kept
 token's K/V reads the same through the new tables, on token-major and head-major caches, for splits
 and merges, with shared prefixes, tiny batches (so ordering and cycles matter) and nearly full caches."""
 
@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.runtime.engine.relayout import plan_relayout
 from kvpilot.runtime.executor import kv_cache
 from kvpilot.runtime.executor.kv_cache import KVCacheLayout
+from kvpilot.runtime.sched.relayout import plan_relayout
 
 HEADS, DIM = 2, 3
 

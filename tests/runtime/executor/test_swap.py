@@ -14,11 +14,11 @@ import torch
 
 from kvpilot.kernels.reference import kv_cache_empty
 from kvpilot.runtime import LLM, SamplingParams
-from kvpilot.runtime.engine.scheduler import SchedulerOutput
-from kvpilot.runtime.engine.sequence import Sequence
 from kvpilot.runtime.executor import kv_cache, model_runner
 from kvpilot.runtime.executor.kv_cache import KVCacheLayout
 from kvpilot.runtime.executor.swap import SwapSpace, block_view
+from kvpilot.runtime.sched.scheduler import SchedulerOutput
+from kvpilot.runtime.sched.sequence import Sequence
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 3, 2, 8
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from fake_engine import TOKENS, FakeEngine
 
-from kvpilot.runtime.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from kvpilot.runtime.engine.engine import RequestError
 from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 
 HI = [TOKENS["hi"]]
 

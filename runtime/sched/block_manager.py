@@ -23,7 +23,7 @@ from itertools import chain
 
 import numpy as np
 
-from kvpilot.runtime.engine.sequence import Sequence
+from kvpilot.runtime.sched.sequence import Sequence
 
 
 def block_digest(parent: bytes, tokens: list[int]) -> bytes:
@@ -102,7 +102,7 @@ class BlockManager:
         seq.prefix_digests = []
 
     def reconfigure(self, num_blocks: int, block_size: int, holders: list[Sequence]) -> None:
-        """Blocks re-cut to `block_size` (the cache was re-laid in place: engine/relayout.py):
+        """Blocks re-cut to `block_size` (the cache was re-laid in place: sched/relayout.py):
         `holders` are the sequences with blocks, their tables already rewritten. Reference counts
         and the free pool follow from those tables; the prefix cache is rebuilt from the holders'
         computed blocks (cached blocks that no sequence held are dropped with the old cut)."""

@@ -21,7 +21,7 @@ the free blocks left afterwards cover the *headroom*: the blocks the running seq
 included, need for their next `SWAP_IN_HORIZON` tokens (at least a block). Without it a swap-in
 takes the last free blocks, the next sequence to cross a block boundary preempts it again a step
 or two later, and swap thrashes (a copy out and back per cycle) where recompute would have waited
-(`tests/runtime/engine/test_swap_scheduling.py` replays such a workload without a model).
+(`tests/runtime/sched/test_swap_scheduling.py` replays such a workload without a model).
 
 The policy (policies.py: `fcfs`, `priority` with aging, `fair` per tenant) orders the running and
 swapped sequences for the budget, picks the next waiting sequence to admit and the preemption
@@ -40,10 +40,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvpilot.runtime.config import SchedulerConfig
-from kvpilot.runtime.engine.block_manager import BlockManager
-from kvpilot.runtime.engine.host_blocks import HostBlockPool
-from kvpilot.runtime.engine.policies import Policy, make_policy
-from kvpilot.runtime.engine.sequence import Request, Sequence, SequenceStatus
+from kvpilot.runtime.sched.block_manager import BlockManager
+from kvpilot.runtime.sched.host_blocks import HostBlockPool
+from kvpilot.runtime.sched.policies import Policy, make_policy
+from kvpilot.runtime.sched.sequence import Request, Sequence, SequenceStatus
 
 # Decode steps of growth a swap-in leaves room for, for every running sequence (see above).
 SWAP_IN_HORIZON = 64

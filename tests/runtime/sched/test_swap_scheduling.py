@@ -9,11 +9,11 @@ import itertools
 import pytest
 
 from kvpilot.runtime.config import SchedulerConfig
-from kvpilot.runtime.engine.block_manager import BlockManager
-from kvpilot.runtime.engine.host_blocks import HostBlockPool
-from kvpilot.runtime.engine.scheduler import SWAP_IN_HORIZON, Scheduler, SchedulerOutput
-from kvpilot.runtime.engine.sequence import Request, Sequence, SequenceStatus
 from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.sched.block_manager import BlockManager
+from kvpilot.runtime.sched.host_blocks import HostBlockPool
+from kvpilot.runtime.sched.scheduler import SWAP_IN_HORIZON, Scheduler, SchedulerOutput
+from kvpilot.runtime.sched.sequence import Request, Sequence, SequenceStatus
 
 SEQ_IDS = itertools.count()  # an engine numbers its sequences; these tests are one engine
 

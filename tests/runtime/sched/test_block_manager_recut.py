@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 
-from kvpilot.runtime.engine.block_manager import BlockManager
-from kvpilot.runtime.engine.sequence import Request, Sequence
 from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.sched.block_manager import BlockManager
+from kvpilot.runtime.sched.sequence import Request, Sequence
 
 SEQ_IDS = itertools.count()
 

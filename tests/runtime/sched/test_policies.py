@@ -11,11 +11,11 @@ from collections import defaultdict
 import pytest
 
 from kvpilot.runtime.config import SchedulerConfig
-from kvpilot.runtime.engine.block_manager import BlockManager
-from kvpilot.runtime.engine.policies import FairPolicy
-from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
-from kvpilot.runtime.engine.sequence import Request, SequenceStatus
 from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.sched.block_manager import BlockManager
+from kvpilot.runtime.sched.policies import FairPolicy
+from kvpilot.runtime.sched.scheduler import Scheduler, SchedulerOutput
+from kvpilot.runtime.sched.sequence import Request, SequenceStatus
 
 PROMPT_LEN, MAX_TOKENS = 24, 16
 W_P, W_Q = 1.0, 2.0  # the paper's weights, the defaults

@@ -16,16 +16,16 @@ import time
 
 from kvpilot.runtime.engine import logprobs
 from kvpilot.runtime.engine.core import RequestDelta
-from kvpilot.runtime.engine.sequence import (
+from kvpilot.runtime.outputs import RequestOutput
+from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.sched.sequence import (
     Request,
     Sequence,
     SequenceStatus,
     cut_stop_string,
     request_output,
 )
-from kvpilot.runtime.engine.tokenizer import Tokenizer
-from kvpilot.runtime.outputs import RequestOutput
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.tokenizer import Tokenizer
 
 
 class OutputProcessor:

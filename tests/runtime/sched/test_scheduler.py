@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from kvpilot.runtime.config import SchedulerConfig
-from kvpilot.runtime.engine.block_manager import BlockManager
-from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
-from kvpilot.runtime.engine.sequence import Request, Sequence
 from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.sched.block_manager import BlockManager
+from kvpilot.runtime.sched.scheduler import Scheduler, SchedulerOutput
+from kvpilot.runtime.sched.sequence import Request, Sequence
 
 SEQ_IDS = itertools.count()  # an engine numbers its sequences; these tests are one engine
 
@@ -38,7 +38,7 @@ def make(num_blocks: int = 64, block_size: int = 16, **kw) -> Scheduler:
 
 def test_modules_import_without_torch() -> None:
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import kvpilot.runtime.engine.scheduler, kvpilot.runtime.engine.block_manager, kvpilot.runtime.args\n")
+            "import kvpilot.runtime.sched.scheduler, kvpilot.runtime.sched.block_manager, kvpilot.runtime.args\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
