@@ -18,8 +18,8 @@ Each is compared with what was measured the way it was measured:
   so the run's tail is the simulator's drain. A point without its run (a steady rate's
   throughput) is compared with the steady run's requests / duration.
 A steady simulation's throughput is its offered rate, a finite run's falls short of it by its
-span and tail (benchmarks/history/2026-12-04.md, "Fleet simulation on the H200 curve"): comparing those two would fail by
-construction.
+span and tail (benchmarks/history/2026-12-04.md, "Fleet simulation on the H200 curve"):
+comparing those two would fail by construction.
 """
 
 from __future__ import annotations
