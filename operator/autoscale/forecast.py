@@ -5,8 +5,9 @@ Terms:
 * *arrival rate* — requests per second reaching the service. A pod's over a window is the
   requests it finished plus the change in those it holds (running and waiting), which is every
   request it received except those aborted before finishing (`WindowSummary.arrivals_per_s`);
-  the service's is the mean over the ready pods times their number (`service_rate`), since the
-  Service spreads requests evenly and a pod Ready for less than a window has no window yet.
+  the service's is the sum over the ready pods (`service_rate`), known only when each has a
+  window: a pod Ready for less than one has served a share no window shows, and the others' mean
+  is of a load split among fewer pods, so that pass adds no point.
 * *rate series* — one point per pilot pass: the service's arrival rate over the interval since
   the previous pass (`RateSeries`).
 * *horizon* — how far ahead the forecast looks: the service's measured start-up (created to
@@ -115,12 +116,12 @@ def look_ahead(series: RateSeries, recent: Mapping[str, WindowSummary], pods: Ma
 
 
 def service_rate(summaries: Mapping[str, WindowSummary], pods: Mapping[str, PodState]) -> float | None:
-    """The service's arrival rate over the summaries' span: the mean of the ready pods' that have
-    a window, times the ready pods; None when none has one."""
-    rates = [s.arrivals_per_s for p, s in summaries.items() if pods.get(p) == "ready"]
-    if not rates:
+    """The service's arrival rate over the summaries' span: the ready pods' summed; None unless
+    every ready pod has a window."""
+    ready = [p for p, state in pods.items() if state == "ready"]
+    if not ready or any(p not in summaries for p in ready):
         return None
-    return fmean(rates) * sum(1 for state in pods.values() if state == "ready")
+    return sum(summaries[p].arrivals_per_s for p in ready)
 
 
 def pod_rate(summaries: Mapping[str, WindowSummary], pods: Mapping[str, PodState]) -> float | None:

@@ -14,8 +14,9 @@ import pytest
 
 from kvpilot.bench import fleet
 from kvpilot.bench.arrival_trace import Trace
+from kvpilot.bench.autoscale_scrapes import TTFT_BUCKETS
 from kvpilot.bench.capacity_curve import load_curve, parse_curve
-from kvpilot.bench.fleet import TTFT_BUCKETS, Foresight, Pipeline, Policy, SimConfig, simulate
+from kvpilot.bench.fleet import Foresight, Pipeline, Policy, SimConfig, simulate
 from kvpilot.bench.loadgen import arrival_times
 from kvpilot.bench.self_check import finite_run_throughput, self_check
 from kvpilot.operator.autoscale import ScalingSpec
