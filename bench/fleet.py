@@ -16,8 +16,8 @@ Time advances in ticks. In each tick:
   work. At a steady load that is its drawn E2E; when a removed replica stops receiving requests,
   it serves its queue at the capacity, then the rest at the lowest-load speed (`drain_s`). That
   is what the measured finite runs show: their last answer came about the lowest rate's E2E after
-  the last send, whatever the E2E at the offered rate (benchmarks/history/2026-12-04.md, "The drain modelled"); a new
-  request's prefill, not the batch it joins, slows the others;
+  the last send, whatever the E2E at the offered rate (benchmarks/history/2026-12-04.md, "The
+  drain modelled"); a new request's prefill, not the batch it joins, slows the others;
 * preemptions are counted at the curve's rate, and each TTFT in the runtime's histogram buckets.
 Scrapes, every `Pipeline.scrape_interval_s` from `Pipeline.phase_s`, record each Ready
 replica's gauges and counters (`autoscale_scrapes.py`). The ticks between two events (a scrape,

@@ -25,7 +25,8 @@ PACKAGES = {"kvpilot.kernels": "kernels", "kvpilot.runtime": "runtime", "kvpilot
 # (layer, module prefixes it holds, layers it may import besides its own and those listed before it)
 RUNTIME_LAYERS: list[tuple[str, list[str]]] = [
     ("kernels", ["kvpilot.kernels"]),
-    ("runtime base", ["kvpilot.runtime.config", "kvpilot.runtime.args", "kvpilot.runtime.sampling_params",
+    ("runtime base", ["kvpilot.runtime.config", "kvpilot.runtime.arg_types", "kvpilot.runtime.args",
+                      "kvpilot.runtime.sampling_params",
                       "kvpilot.runtime.outputs", "kvpilot.runtime.model_source", "kvpilot.runtime.errors",
                       "kvpilot.runtime.tokenizer", "kvpilot.runtime.quantization", "kvpilot.runtime.startup",
                       "kvpilot.runtime.cuda_probe", "kvpilot.runtime.caches"]),

@@ -173,8 +173,9 @@ def relayout(storage: torch.Tensor | list[torch.Tensor], plan: Plan, num_kv_head
     copies move words of up to 8 bytes, not elements (a row of head_dim elements is never cut), and
     the indices of every batch go to the device in one upload. One tensor at a time rather than one
     strided view over all of them: over a view of the whole cache (more than 2^31 elements) the
-    copy kernels were slower, on the device and on the host (benchmarks/history/2026-12-04.md, "Every ordered pair"). No host synchronisation:
-    the copies are queued on the current stream, ahead of the next step's kernels."""
+    copy kernels were slower, on the device and on the host (benchmarks/history/2026-12-04.md,
+    "Every ordered pair"). No host synchronisation: the copies are queued on the current stream,
+    ahead of the next step's kernels."""
     old, new = plan.old_block_size, plan.new_block_size
     if old == new or not plan.batches or (new < old and not head_major):
         return 0  # token-major: the sub-blocks of a block are already its consecutive runs

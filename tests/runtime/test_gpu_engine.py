@@ -2,7 +2,7 @@
 transformers (CPU, float32) token for token on tiny random models, at every block size, with
 chunked prefill, padded graph batches and a live block-size change (graphs recaptured); eager mode
 gives the same tokens; a bf16 engine finishes a mixed batch and returns every block. Skipped
-without CUDA (CI has none: these run on the lent GPU, `benchmarks/run_on_gpu.sh`)."""
+without CUDA (CI has none: these run on a GPU machine, `benchmarks/run_on_gpu.sh`)."""
 
 from __future__ import annotations
 
