@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="goodput's objective (default: ttft=500ms,itl=50ms; ttft=3s,itl=1s with --quick)")
     g.add_argument("--seed", type=int, default=0)
     g = parser.add_argument_group("the autotuner (the operator's spec.autotune)")
-    g.add_argument("--interval", type=flags.positive, default=None, metavar="SECONDS",
+    g.add_argument("--interval", type=flags.positive_float, default=None, metavar="SECONDS",
                    help="scrape and decide this often (default 5; 1 with --quick)")
     g.add_argument("--cooldown", type=float, default=None, metavar="SECONDS",
                    help="least time between two changes (default 30; 4 with --quick)")
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="waiting sequences that mean pressure (default 100, the article's; 6 with --quick)")
     g.add_argument("--queue-depth-low", type=float, default=None,
                    help="below this (and the preemption low level) pressure ends (default 50; 2 with --quick)")
-    g.add_argument("--canary-window", type=flags.positive, default=None, metavar="SECONDS",
+    g.add_argument("--canary-window", type=flags.positive_float, default=None, metavar="SECONDS",
                    help="saturated time a configuration needs before its measured throughput steers the policy "
                         "(the operator's canary.window; default 20; 4 with --quick)")
     g.add_argument("--preemptions-high", type=float, default=1.0, metavar="PER_S")

@@ -93,6 +93,7 @@ class Extras:
     tuned_by_pilot: bool = False
     monitoring: EngineMonitoring = EngineMonitoring()
     prometheus_address: str | None = None  # KEDA's Prometheus when the spec names none
+    engine_cache_host_path: str | None = None  # a node folder every engine pod's caches share
 
 
 def parse(body: Any) -> Desired:
@@ -282,7 +283,8 @@ def reconcile(kube: Kube, body: Any, image: str, now: str, extras: Extras = Extr
     ensure_admin_secret(kube, owner, changes)
     _tuned_config(kube, desired, tuned, changes)
     pod_spec = tuned_spec if spec.autotune.apply == "rollout" else spec
-    deployment = apply(kube, owner, build_deployment(owner, pod_spec, source, spec.image or image), changes)
+    deployment = apply(kube, owner, build_deployment(owner, pod_spec, source, spec.image or image,
+                                                     extras.engine_cache_host_path), changes)
     apply(kube, owner, build_service(owner), changes)
     if spec.pod_disruption_budget.enabled:
         apply(kube, owner, build_pdb(owner, spec), changes)
