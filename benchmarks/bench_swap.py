@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 from kvpilot.runtime import LLM, SamplingParams
-from kvpilot.runtime.config import BLOCK_SIZES
 from kvpilot.runtime.sched.sequence import Request
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 MiB = 1 << 20
 
