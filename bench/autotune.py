@@ -106,9 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=flags.positive_int, nargs="+", default=None, metavar="N",
                    help="the grid's max_num_batched_tokens values, whose range the tuner may move it in (default: "
                         "the server's own, not tuned)")
-    g.add_argument("--configs", nargs="+", default=None, metavar="BLOCK/MODE[/SEQS/TOKENS]",
-                   help="the static runs, e.g. 16/recompute 8/swap/64/1024 (default: the whole grid); each must lie "
-                        "within the grid's values, which stay the tuner's allowed ones")
+    g.add_argument("--configs", nargs="+", default=None, metavar="BLOCK/MODE[/SEQS][/TOKENS]",
+                   help="the static runs, e.g. 16/recompute 8/swap/64/1024 (default: the whole grid), with a value "
+                        "for each batch limit the grid has; each must lie within the grid's values, which stay the "
+                        "tuner's allowed ones")
     g.add_argument("--repeats", type=flags.positive_int, default=1, help="autotuner runs, each on a fresh server")
     g.add_argument("--screen", type=flags.positive, default=None, metavar="SECONDS",
                    help="screen the grid instead: each static configuration on each phase alone for SECONDS")
@@ -227,21 +228,23 @@ def _static_configs(given: list[str] | None, block_sizes: list[int], modes: list
                     tokens: list[int]) -> list[Knobs]:
     """The grid's configurations, or those `--configs` names (each within the grid's values)."""
     if given is None:
-        limits: tuple[list[int | None], list[int | None]] = (list(seqs) or [None], list(tokens) or [None])
-        return [Knobs(b, m, s, t) for b in block_sizes for m in modes for s in limits[0] for t in limits[1]]
+        grid: tuple[list[int | None], list[int | None]] = (list(seqs) or [None], list(tokens) or [None])
+        return [Knobs(b, m, s, t) for b in block_sizes for m in modes for s in grid[0] for t in grid[1]]
+    gridded = [name for name, grid in (("SEQS", seqs), ("TOKENS", tokens)) if grid]
     out: list[Knobs] = []
     for text in given:
         parts = text.split("/")
-        rule = (f"--configs: {text!r} is not BLOCK/MODE{'/SEQS/TOKENS' if seqs or tokens else ''} with BLOCK in "
-                f"--block-sizes {block_sizes} and MODE in --preemption-modes {modes}"
+        rule = (f"--configs: {text!r} is not {'/'.join(['BLOCK', 'MODE', *gridded])} with BLOCK in --block-sizes "
+                f"{block_sizes} and MODE in --preemption-modes {modes}"
                 + (f", SEQS in --max-num-seqs {seqs}" if seqs else "")
                 + (f", TOKENS in --max-num-batched-tokens {tokens}" if tokens else ""))
-        if len(parts) not in (2, 4) or not all(p.isdigit() for p in [parts[0], *parts[2:]]):
+        if len(parts) != 2 + len(gridded) or not all(p.isdigit() for p in [parts[0], *parts[2:]]):
             raise ValueError(rule)
-        knobs = Knobs(int(parts[0]), parts[1], *(int(p) for p in parts[2:]))
-        given_limits = ((knobs.max_num_seqs, seqs), (knobs.max_num_batched_tokens, tokens))
+        limits = dict(zip(gridded, (int(p) for p in parts[2:]), strict=True))
+        knobs = Knobs(int(parts[0]), parts[1], limits.get("SEQS"), limits.get("TOKENS"))
         if knobs.block_size not in block_sizes or knobs.preemption_mode not in modes or \
-                any(value not in grid if grid else value is not None for value, grid in given_limits):
+                limits.get("SEQS", seqs[0] if seqs else 0) not in (seqs or [0]) or \
+                limits.get("TOKENS", tokens[0] if tokens else 0) not in (tokens or [0]):
             raise ValueError(rule)
         if knobs not in out:
             out.append(knobs)

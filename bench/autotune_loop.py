@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from statistics import fmean
 from typing import Any
 
 import aiohttp
@@ -78,20 +79,25 @@ class LiveTuner:
                                       Coordination(), dwell_s=0.0, num_failures=len(report.failures))
                 step = await tune(self.state, inputs, admin)
                 self.state = step.state
-                self._record(now, step)
+                self._record(now, step, inputs.summaries(since=now - 2 * spec.interval_s))
                 with contextlib.suppress(TimeoutError):  # asyncio.timeout keeps a cancellation
                     async with asyncio.timeout(spec.interval_s):
                         await stop.wait()
 
-    def _record(self, now: float, step: Any) -> None:
+    def _record(self, now: float, step: Any, recent: dict[str, Any]) -> None:
         at = now - self.started_at
+        # what the pods showed over the last intervals (means over pods), beside the step's verdict
+        signals = None if not recent else {
+            "queue_depth": fmean(s.num_waiting_seqs for s in recent.values()),
+            "preemptions_per_s": fmean(s.preemptions_per_s for s in recent.values())}
         condition = step.state.condition or {}
         config = step.state.config
         self.log.num_decisions += 1
         self.log.num_holds += step.action == "wait"
         self.log.decisions.append({"at_s": at, "action": step.action, "outcome": step.outcome,
                                    "config": dataclasses.asdict(config) if config is not None else None,
-                                   "reason": condition.get("reason"), "message": condition.get("message")})
+                                   "reason": condition.get("reason"), "message": condition.get("message"),
+                                   "signals": signals})
         for call in step.calls:
             if call.config is None:
                 self.log.admin_errors.append(call.error)

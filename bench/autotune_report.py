@@ -52,7 +52,8 @@ def build_body(args: argparse.Namespace, phases: tuple[Phase, ...], slo: Slo, sp
             entry["tuner"] = {"switches": tuner.switches, "num_switches": len(tuner.switches),
                               "pause_s": tuner.pause_s, "num_decisions": tuner.num_decisions,
                               "num_holds": tuner.num_holds, "scrape_failures": tuner.scrape_failures,
-                              "admin_errors": tuner.admin_errors, "decisions": tuner.decisions}
+                              "admin_errors": tuner.admin_errors, "decisions": tuner.decisions,
+                              "records": tuner.records, "events": tuner.events}
         out_runs.append(entry)
     body = {
         "command": ["kvpilot", *sys.argv[1:]], "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

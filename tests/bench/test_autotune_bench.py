@@ -20,13 +20,13 @@ from kvpilot.bench.autotune_workload import QUICK, WorkloadFileError, build_requ
 
 KVPILOT = str(Path(sys.executable).parent / "kvpilot")
 ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
-# a burst far beyond what max_num_seqs 2 runs at once (some 3,900 steps for its ~7,700 tokens:
-# seconds of queue even where a step takes half a millisecond, drained well inside the calm after
-# it on a slow 2-core machine, where a step takes 2-3 ms), between two calm stretches
+# a burst far beyond what max_num_seqs 2 runs at once (some 1,000 steps for its ~1,900 tokens: a
+# queue of dozens for seconds even where a step takes half a millisecond, drained inside the calm
+# after it on a slow 2-core machine, where a step takes 2-3 ms), between two calm stretches
 WORKLOAD = """\
 phases:
   - {name: calm, duration: 3, rate: 1, input_len: 16, output_len: 8}
-  - {name: burst, duration: 2, rate: 40, input_len: 24, output_len: 96}
+  - {name: burst, duration: 2, rate: 20, input_len: 24, output_len: 48}
   - {name: after, duration: 25, rate: 0.5, input_len: 16, output_len: 8}
 """
 
