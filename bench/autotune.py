@@ -111,13 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "for each batch limit the grid has; each must lie within the grid's values, which stay the "
                         "tuner's allowed ones")
     g.add_argument("--repeats", type=flags.positive_int, default=1, help="autotuner runs, each on a fresh server")
-    g.add_argument("--screen", type=flags.positive, default=None, metavar="SECONDS",
+    g.add_argument("--screen", type=flags.positive_float, default=None, metavar="SECONDS",
                    help="screen the grid instead: each static configuration on each phase alone for SECONDS")
     g.add_argument("--slo", default=None, metavar="ttft=500ms,itl=50ms",
                    help="goodput's objective (default: ttft=500ms,itl=50ms; ttft=3s,itl=1s with --quick)")
     g.add_argument("--seed", type=int, default=0)
     g = parser.add_argument_group("the autotuner (the operator's spec.autotune)")
-    g.add_argument("--interval", type=flags.positive, default=None, metavar="SECONDS",
+    g.add_argument("--interval", type=flags.positive_float, default=None, metavar="SECONDS",
                    help="scrape and decide this often (default 5; 1 with --quick)")
     g.add_argument("--cooldown", type=float, default=None, metavar="SECONDS",
                    help="least time between two changes (default 30; 4 with --quick)")
@@ -127,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="waiting sequences that mean pressure (default 100, the article's; 6 with --quick)")
     g.add_argument("--queue-depth-low", type=float, default=None,
                    help="below this (and the preemption low level) pressure ends (default 50; 2 with --quick)")
-    g.add_argument("--canary-window", type=flags.positive, default=None, metavar="SECONDS",
+    g.add_argument("--canary-window", type=flags.positive_float, default=None, metavar="SECONDS",
                    help="how long a change is tried before it is judged, and the saturated time a configuration "
                         "needs before its measured throughput steers the policy (the operator's canary.window; "
                         "default 20; 4 with --quick); the canary times out at 3 times it")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .autotune_workload import Phase, phase_bounds
+from .percentile import percentile
 from .slo import Slo
 from .summary import latency_stats
 
@@ -266,7 +267,7 @@ def _plot(body: dict[str, Any], path: Path) -> None:
             continue
         xs, ys = np.array([p[0] for p in points]), np.array([p[1] for p in points])
         window = max(1, len(xs) // 40)
-        rolling = [float(np.percentile(ys[max(0, j - window):j + 1], 99)) for j in range(len(ys))]
+        rolling = [percentile(ys[max(0, j - window):j + 1], 99) for j in range(len(ys))]
         style = {"linewidth": 2.2, "color": "black"} if run["tuned"] else {"linewidth": 1, "alpha": 0.8}
         lat.plot(xs, [1e3 * v for v in rolling], label=run["name"], **style)
         for s in (run.get("tuner") or {}).get("switches", []):

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Everything the repository checks and times on a GPU (the lent H200 via the device
-# tool, or any CUDA machine with torch, triton, transformers and pytest):
+# Everything the repository checks and times on a GPU (any CUDA machine with torch, triton,
+# transformers and pytest):
 #   COMMIT=<hash> bash benchmarks/run_on_gpu.sh [--sweep]
-# (COMMIT is only the label written into the results: give it from your checkout, since the device
-# tool's copy of the tree keeps an older git HEAD and `git rev-parse HEAD` there names the wrong commit.)
+# (COMMIT is only the label written into the results: give it from your checkout, since a copy of
+# the working tree may keep an older git HEAD, and `git rev-parse HEAD` there names the wrong commit.)
 # GPU tests (kernels at real sizes, the engine on CUDA against HF; TESTS narrows them), then the
 # kernel benchmark (extra arguments go to it), then whole-engine throughput with and without decode
 # CUDA graphs. Logs and results land in $OUT; TEST_LIMIT, KERNEL_LIMIT and ENGINE_LIMIT cap each

@@ -60,3 +60,25 @@ class Ops(ABC):
     def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> None:
         """In place: residual += x, then x = rms_norm(residual) * weight."""
+
+    # FP8 activations for FP8 linear layers: each returns (q (T, K) float8_e4m3fn, scales (T, 1)
+    # float32), q * scales ~ the values, as `reference.quantize_fp8` quantizes: per token (the row's
+    # largest magnitude / 448), or the layer's static `scale` (1,) float32 for every row when given.
+
+    @abstractmethod
+    def quantize_fp8(self, x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, K) quantized."""
+
+    @abstractmethod
+    def rms_norm_fp8(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rms_norm(x)` (rounded to x's dtype), quantized."""
+
+    @abstractmethod
+    def fused_add_rms_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                               scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual += x in place, then `rms_norm(residual)` quantized; x is left as it was."""
+
+    @abstractmethod
+    def silu_and_mul_fp8(self, x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`silu_and_mul(x)` (rounded to x's dtype), quantized."""

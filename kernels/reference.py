@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpilot.kernels.interface import Ops
-from kvpilot.kernels.kv_quant import check_scales, dequantize, quantize
+from kvpilot.kernels.kv_quant import FP8, FP8_MAX, check_scales, dequantize, quantize
 from kvpilot.kernels.step_plan import (
     AttentionIndex,
     PrefillIndex,
@@ -57,7 +57,8 @@ def kv_cache_empty(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     head_major stores it as (num_blocks, num_kv_heads, block_size, head_dim) and returns the
     transposed view: each (block, KV head) is then one contiguous run of block_size * head_dim
     elements instead of block_size rows of head_dim scattered num_kv_heads rows apart. Every op
-    takes either (they use strides); the GPU engine allocates head-major (benchmarks/history/2026-12-03.md, "Kernels").
+    takes either (they use strides); the GPU engine allocates head-major
+    (benchmarks/history/2026-12-03.md, "Kernels").
     """
     if not head_major:
         return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -97,7 +98,8 @@ def paged_attention(
         k = _read(k_cache.index_select(0, decode.table).view(shape)[:, :decode.max_len], k_scale, q.dtype)
         v = _read(v_cache.index_select(0, decode.table).view(shape)[:, :decode.max_len], v_scale, q.dtype)
         # a GQA group's query heads become the query rows of their KV head: no K/V expansion,
-        # quicker than SDPA's enable_gqa here (benchmarks/history/2026-12-03.md, "Engine core on CPU")
+        # quicker than SDPA's enable_gqa here (benchmarks/history/2026-12-03.md, "Engine core
+        # on CPU")
         o = F.scaled_dot_product_attention(
             (q if decode.rows is None else q[decode.rows]).reshape(num_seqs, num_kv_heads, -1, head_dim),
             k.transpose(1, 2), v.transpose(1, 2),  # (B, Hk, L, D)
@@ -173,6 +175,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# FP8 activations and weights share the KV cache's e4m3 format (kv_quant.py).
+# Smallest per-token scale: a row of zeros still divides by something (vLLM's floor).
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (T, K) -> (q (T, K) float8_e4m3fn, scales (T, 1) float32), q * scales ~ x. Per row: the
+    row's largest magnitude / 448, floored at FP8_MIN_SCALE; or the static `scale` (1,) for every
+    row. x / scale in float32, saturated at +-448 before the cast (round to nearest even)."""
+    xf = x.float()
+    if scale is None:
+        scales = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    else:
+        scales = scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return (xf / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+
+
 class ReferenceOps(Ops):
     """The reference as the engine calls it: the plan's index work is shared by every layer."""
 
@@ -193,3 +212,16 @@ class ReferenceOps(Ops):
     silu_and_mul = staticmethod(silu_and_mul)
     rms_norm = staticmethod(rms_norm)
     fused_add_rms_norm = staticmethod(fused_add_rms_norm)
+    quantize_fp8 = staticmethod(quantize_fp8)
+
+    def rms_norm_fp8(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.quantize_fp8(self.rms_norm(x, weight, eps), scale)
+
+    def fused_add_rms_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                               scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        residual.add_(x)
+        return self.quantize_fp8(self.rms_norm(residual, weight, eps), scale)
+
+    def silu_and_mul_fp8(self, x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.quantize_fp8(self.silu_and_mul(x), scale)

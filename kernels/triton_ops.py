@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.kernels import activation, cache, norm, rotary
+from kvpilot.kernels import activation, cache, fp8_quant, norm, rotary
 from kvpilot.kernels.interface import Ops
 from kvpilot.kernels.paged_attention import launcher
 from kvpilot.kernels.step_plan import StepPlan
@@ -46,3 +46,7 @@ class TritonOps(Ops):
     silu_and_mul = staticmethod(activation.silu_and_mul)
     rms_norm = staticmethod(norm.rms_norm)
     fused_add_rms_norm = staticmethod(norm.fused_add_rms_norm)
+    quantize_fp8 = staticmethod(fp8_quant.quantize_fp8)
+    rms_norm_fp8 = staticmethod(norm.rms_norm_fp8)
+    fused_add_rms_norm_fp8 = staticmethod(norm.fused_add_rms_norm_fp8)
+    silu_and_mul_fp8 = staticmethod(fp8_quant.silu_and_mul_fp8)

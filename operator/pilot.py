@@ -45,6 +45,7 @@ from .autoscale.coordination import Coordination
 from .autoscale.deletion_cost import DELETION_COST_ANNOTATION, cost_patch, deletion_costs
 from .autoscale.history import DecisionRecord, appended
 from .autoscale.scaling_spec import ScalingSpec
+from .autoscale.startup import PodStartup, pod_startup
 from .autotune.admin import AdminClient
 from .autotune.endpoint import PodEndpoint
 from .autotune.engine_limits import EngineLimits
@@ -120,6 +121,7 @@ class Pods:
     # the pod templates (the Deployment's pod-template-hash labels) of every pod, whatever its
     # state: more than one while a rollout replaces the pods of one spec with another's
     templates: frozenset[str] = frozenset()
+    startups: tuple[PodStartup, ...] = ()  # the Ready pods' creation to Ready
 
 
 def classify(pods: list[Manifest]) -> Pods:
@@ -142,7 +144,8 @@ def classify(pods: list[Manifest]) -> Pods:
             endpoints.append(PodEndpoint(name, status["podIP"], _serving_port(pod)))
         else:
             states[name] = "starting"
-    return Pods(states, sorted(endpoints, key=lambda e: e.pod), costs, frozenset(templates))
+    startups = tuple(startup for pod in pods if (startup := pod_startup(pod)) is not None)
+    return Pods(states, sorted(endpoints, key=lambda e: e.pod), costs, frozenset(templates), startups)
 
 
 def _serving_port(pod: Manifest) -> int:
@@ -239,7 +242,8 @@ class Pilot:
             except ApiError as exc:  # the pod went away meanwhile, most likely: the next pass tells
                 logger.info(f"deletion cost of pod {pod} not written: {exc}")
         inputs = ScalingInputs(now, spec, int(self.body.get("spec", {}).get("replicas", 1)), summaries,
-                               pods.states, self.coordination, self.settings.dwell_s)
+                               pods.states, self.coordination, self.settings.dwell_s,
+                               self.scraper.summaries(since=now - spec.interval), pods.startups)
         step = scale(self.scaling, inputs) if spec.mode == "builtin" else watch_target(self.scaling, inputs)
         if step.scale_to is not None and step.direction is not None:  # an API error keeps the state we had
             await asyncio.to_thread(self.kube.patch, "InferenceService", key.namespace, key.name,

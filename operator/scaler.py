@@ -9,6 +9,10 @@ it lasts (builtin, the decision's `TargetUnreachable`), and once in a Warning Ev
 `ScalingTargetUnreachable` each time it begins. Deletion costs (every mode) are the pilot's
 patches of `deletion_cost.deletion_costs`.
 
+With `spec.forecast` (builtin) it also looks ahead (`autoscale.forecast`): the pods' start-ups
+are folded into the service's (`autoscale.startup`), this pass's arrival rate into a series whose
+trend, one start-up plus one interval ahead, is one more input of the decision.
+
 A scale-down waits while a tuning change is judged and for a dwell after it (`Coordination`, an
 input and an output); a scale-up never waits. The state a step returns holds once its scale
 write is made: when the write fails, the pilot keeps the state it had and the next pass decides
@@ -18,15 +22,17 @@ again.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from .autoscale.behavior import ScalerState
 from .autoscale.calculator import PodState
 from .autoscale.coordination import Coordination
+from .autoscale.forecast import Forecast, RateSeries, look_ahead
 from .autoscale.history import DecisionRecord, scale_record
 from .autoscale.policy import decide_replicas, out_of_reach
 from .autoscale.scaling_spec import ScalingSpec
+from .autoscale.startup import PodStartup, Startup
 from .autotune.window import WindowSummary
 from .events import Event
 from .objects import Manifest
@@ -46,17 +52,25 @@ class ScalingState:
     last_scale: float | None = None
     condition: Manifest | None = None  # ScalingActive, mode builtin
     unreachable: str | None = None  # why the target is out of the pods' reach, while it is
+    startup: Startup = Startup()  # the pods' creation to Ready
+    rates: RateSeries = RateSeries()  # the arrival rate, a point a pass; a restarted operator starts anew
+    forecast: Forecast | None = None  # at the last decision
 
     def to_status(self) -> Manifest:
+        forecast = None if self.forecast is None else {
+            "arrivalRate": round(self.forecast.rate_now, 4), "forecastRate": round(self.forecast.rate_ahead, 4),
+            "horizonSeconds": round(self.forecast.horizon_s, 1)}
         out: dict[str, Any] = {"desiredReplicas": self.desired, "lastScaleTime": iso(self.last_scale)
                                if self.last_scale is not None else None,
-                               "value": None if self.value is None else round(self.value, 6)}
+                               "value": None if self.value is None else round(self.value, 6),
+                               "startup": self.startup.to_status() or None, "forecast": forecast}
         return {k: v for k, v in out.items() if v is not None}
 
     @classmethod
     def from_status(cls, status: Mapping[str, Any]) -> ScalingState:
         return cls(desired=status.get("desiredReplicas"), value=status.get("value"),
-                   last_scale=epoch(status.get("lastScaleTime")))
+                   last_scale=epoch(status.get("lastScaleTime")),
+                   startup=Startup.from_status(status.get("startup") or {}))
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,8 @@ class ScalingInputs:
     pods: Mapping[str, PodState]  # every pod of the service: ready, starting or leaving
     coordination: Coordination
     dwell_s: float  # how long a tuning change holds scale-downs
+    recent: Mapping[str, WindowSummary] = field(default_factory=dict)  # each pod's window since the last pass
+    startups: tuple[PodStartup, ...] = ()  # the Ready pods' creation to Ready
 
 
 @dataclass(frozen=True)
@@ -93,9 +109,12 @@ def scale(state: ScalingState, inputs: ScalingInputs) -> ScalingStep:
     """`mode: builtin`: the replicas the windows ask for, within what coordination allows."""
     spec, now = inputs.spec, inputs.now
     watched = watch_target(state, inputs)  # the decision says it too (TargetUnreachable)
-    decision = decide_replicas(inputs.summaries, inputs.pods, inputs.replicas, spec, state.behavior, now=now)
+    startup = state.startup.measured(inputs.startups)
+    rates, forecast = look_ahead(state.rates, inputs.recent, inputs.pods, now, spec, startup.seconds)
+    decision = decide_replicas(inputs.summaries, inputs.pods, inputs.replicas, spec, state.behavior, now=now,
+                               forecast=forecast)
     value = decision.value if decision.value is not None else state.value
-    state = replace(watched.state, value=value)
+    state = replace(watched.state, value=value, startup=startup, rates=rates, forecast=forecast)
     direction = decision.direction
     if direction is not None:
         turn = inputs.coordination.may_scale(direction, now, inputs.dwell_s)

@@ -42,7 +42,7 @@ class ModelSpec(_Model):
     source: str
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
-    quantization: str | None = None
+    quantization: Literal["auto", "fp8", "awq", "gptq"] | None = None  # None: not passed (the runtime's auto)
     served_model_name: str | None = None
 
 
@@ -142,6 +142,12 @@ class BehaviorSpec(_Model):
     scale_down: ScalingRulesSpec = ScalingRulesSpec()
 
 
+class ForecastSpec(_Model):
+    enabled: bool = True
+    horizon: Duration | None = None
+    lookback: Duration | None = None
+
+
 class AutoscalingSpec(_Model):
     enabled: bool = False
     mode: Literal["builtin", "hpa", "keda"] = "builtin"
@@ -154,6 +160,7 @@ class AutoscalingSpec(_Model):
     interval: Duration | None = None
     behavior: BehaviorSpec = BehaviorSpec()
     prometheus_address: str | None = None
+    forecast: ForecastSpec | None = None  # unset: on in mode builtin
 
 
 class SecretKeyRef(_Model):

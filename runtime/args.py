@@ -13,9 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.runtime.arg_types import fraction, non_negative_float, positive_float, positive_int
 from kvpilot.runtime.config import (
     DTYPES,
     LOAD_FORMATS,
+    QUANTIZATION_METHODS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -43,7 +45,7 @@ class EngineArgs:
     served_model_name: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
-    quantization: str | None = None
+    quantization: str | None = "auto"  # auto (or None): the checkpoint's quantization_config
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     block_size: int = BLOCK_SIZE.default
@@ -69,8 +71,11 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model and the defaults that depend on it; validate everything."""
         from kvpilot.runtime.model_source import resolve_model
+        from kvpilot.runtime.quantization import resolve_quantization
 
         source = resolve_model(self.model, self.load_format, tokenizer=self.tokenizer)
+        quantization = resolve_quantization(self.quantization, source.hf_config, source.path,
+                                            dummy=source.load_format == "dummy")
         self._check_tensor_parallel(source.hf_config)
         native_len = source.max_position_embeddings
         max_model_len = self.max_model_len or native_len
@@ -83,15 +88,15 @@ class EngineArgs:
             batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
         device = self.device
         if device == "auto":
-            import torch
+            from kvpilot.runtime.cuda_probe import cuda_available
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = "cuda" if cuda_available() else "cpu"
         model = ModelConfig(
             model=source.path,
             served_model_name=self.served_model_name or source.name,
             load_format=source.load_format,
             dtype=self.dtype,
-            quantization=self.quantization,
+            quantization=quantization,
             max_model_len=max_model_len,
             tokenizer=source.tokenizer,
             seed=self.seed,
@@ -172,22 +177,6 @@ class EngineArgs:
             raise ValueError(f"tuned_config: {path}: {e}") from None
 
 
-def _checked(parse: Callable[[str], float], ok: Callable[[float], bool], rule: str) -> Callable[[str], Any]:
-    """An argparse type: parse the text, then require `ok(value)`; errors say `rule`."""
-    def convert(text: str) -> Any:
-        try:
-            value = parse(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {rule}, not {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}, not {value}")
-        return value
-    return convert
-
-
-_positive_int = _checked(int, lambda v: v > 0, "a positive integer")
-
-
 def _tunable(tunable: Tunable) -> Callable[[str], Any]:
     """An argparse type for a live tunable: its value by the contract's rule (tunables.py)."""
     def convert(text: str) -> Any:
@@ -196,9 +185,6 @@ def _tunable(tunable: Tunable) -> Callable[[str], Any]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {tunable.rule}, not {text!r}") from None
     return convert
-_fraction = _checked(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
-_non_negative_float = _checked(float, lambda v: v >= 0, "a number >= 0")
-_positive_float = _checked(float, lambda v: v > 0, "a positive number")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,15 +196,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format)
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="auto: bfloat16 on GPU, float32 on CPU")
-    g.add_argument("--quantization", default=None)
-    g.add_argument("--max-model-len", type=_positive_int, default=None)
+    g.add_argument("--quantization", choices=("auto", *QUANTIZATION_METHODS), default=d.quantization,
+                   help="how the linear layers' weights are stored and multiplied: auto reads the checkpoint's "
+                        "quantization_config (none for a plain checkpoint); fp8: float8 e4m3 weights with "
+                        "per-output-channel scales and activations quantised per token (a plain checkpoint is "
+                        "quantised at load; compressed-tensors FP8 checkpoints are read as saved); awq, gptq: "
+                        "4-bit (GPTQ also 8-bit) integer weights with group-wise scales, read from a checkpoint "
+                        "saved by AutoAWQ or AutoGPTQ/GPTQModel and de-quantised inside the GEMM kernels")
+    g.add_argument("--max-model-len", type=positive_int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
     g = parser.add_argument_group("KV cache")
     g.add_argument("--block-size", type=_tunable(BLOCK_SIZE), choices=BLOCK_SIZES, default=d.block_size)
-    g.add_argument("--swap-space", type=_non_negative_float, default=d.swap_space, help="GiB of host memory for swapped KV blocks")
-    g.add_argument("--gpu-memory-utilization", type=_fraction, default=d.gpu_memory_utilization)
-    g.add_argument("--num-gpu-blocks-override", type=_positive_int, default=None)
-    g.add_argument("--cpu-kv-cache-space", type=_non_negative_float, default=d.cpu_kv_cache_space, help="GiB of KV cache on the CPU")
+    g.add_argument("--swap-space", type=non_negative_float, default=d.swap_space, help="GiB of host memory for swapped KV blocks")
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=d.gpu_memory_utilization)
+    g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None)
+    g.add_argument("--cpu-kv-cache-space", type=non_negative_float, default=d.cpu_kv_cache_space, help="GiB of KV cache on the CPU")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse the KV blocks of prompt prefixes already computed (full blocks, matched by "
                         "chained SHA-256 digests of their tokens)")
@@ -235,16 +227,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "(--priority-aging), preemption takes the least important; fair: per-tenant fair share "
                         "of served tokens (Virtual Token Counter; the tenant is the API key's from --api-key-file, "
                         "else the request's `user`); live-tunable")
-    g.add_argument("--priority-aging", type=_positive_float, default=d.priority_aging, metavar="SECONDS",
+    g.add_argument("--priority-aging", type=positive_float, default=d.priority_aging, metavar="SECONDS",
                    help="priority policy: a waiting request gains one priority level per SECONDS waited, so a "
                         "request is never overtaken by one of priority q arriving more than "
                         "(its priority - q) * SECONDS after it (default: %(default)s)")
-    g.add_argument("--fair-prompt-weight", type=_positive_float, default=d.fair_prompt_weight,
+    g.add_argument("--fair-prompt-weight", type=positive_float, default=d.fair_prompt_weight,
                    help="fair policy: the cost of a prompt token in a tenant's counter (default: %(default)s)")
-    g.add_argument("--fair-output-weight", type=_positive_float, default=d.fair_output_weight,
+    g.add_argument("--fair-output-weight", type=positive_float, default=d.fair_output_weight,
                    help="fair policy: the cost of a generated token in a tenant's counter (default: %(default)s, "
                         "as in Sheng et al.: output costs more)")
-    g.add_argument("--max-queue-len", type=_positive_int, default=None)
+    g.add_argument("--max-queue-len", type=positive_int, default=None)
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="schedule and prepare each step while the device still runs the previous one "
                         "(default: on with CUDA without tensor parallelism, off on the CPU)")
@@ -252,4 +244,4 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--tensor-parallel-size", "--tensor-parallel-degree", dest="tensor_parallel_size",
-                   type=_positive_int, default=d.tensor_parallel_size)
+                   type=positive_int, default=d.tensor_parallel_size)

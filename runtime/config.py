@@ -20,6 +20,8 @@ from kvpilot.runtime.tunables import (
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# --quantization methods (`auto`, the flag's default, resolves to one of these or none: quantization.py)
+QUANTIZATION_METHODS = ("fp8", "awq", "gptq")
 
 
 def _check(condition: bool, name: str, message: str) -> None:
@@ -33,7 +35,7 @@ class ModelConfig:
     served_model_name: str
     load_format: str = "auto"
     dtype: str = "auto"
-    quantization: str | None = None
+    quantization: str | None = None  # resolved: a method of QUANTIZATION_METHODS, None for unquantized
     max_model_len: int = 2048
     tokenizer: str | None = None
     seed: int = 0
@@ -41,7 +43,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {', '.join(LOAD_FORMATS)}, not {self.load_format!r}")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
-        _check(self.quantization is None, "quantization", f"{self.quantization!r} is not supported yet (GGUF files are de-quantised at load)")
+        _check(self.quantization is None or self.quantization in QUANTIZATION_METHODS, "quantization",
+               f"must be one of {', '.join(QUANTIZATION_METHODS)} or none, not {self.quantization!r}")
         _check(self.max_model_len > 0, "max_model_len", "must be positive")
 
 

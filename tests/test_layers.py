@@ -27,9 +27,11 @@ RUNTIME_LAYERS: list[tuple[str, list[str]]] = [
     # the live tunables, spelled once: the runtime and the operator both import it
     ("tunables contract", ["kvpilot.runtime.tunables"]),
     ("kernels", ["kvpilot.kernels"]),
-    ("runtime base", ["kvpilot.runtime.config", "kvpilot.runtime.args", "kvpilot.runtime.sampling_params",
+    ("runtime base", ["kvpilot.runtime.config", "kvpilot.runtime.arg_types", "kvpilot.runtime.args",
+                      "kvpilot.runtime.sampling_params",
                       "kvpilot.runtime.outputs", "kvpilot.runtime.model_source", "kvpilot.runtime.errors",
-                      "kvpilot.runtime.tokenizer"]),
+                      "kvpilot.runtime.tokenizer", "kvpilot.runtime.quantization", "kvpilot.runtime.startup",
+                      "kvpilot.runtime.cuda_probe", "kvpilot.runtime.caches"]),
     # tensors: the engine core process (and tensor-parallel workers); the runner knows no Sequence
     ("executor", ["kvpilot.runtime.executor"]),
     # the engine's bookkeeping, torch-free
@@ -51,7 +53,8 @@ SEPARATE: dict[str, tuple[list[str], set[str]]] = {
 # Third-party packages a layer never imports (directly), and why.
 FORBIDDEN = {
     "operator": {"torch", "triton", "transformers"},  # the operator image has none of them
-    "bench": {"triton", "transformers"},  # torch only in `bench throughput` (its copy-rate probe)
+    # torch only in `bench throughput` (its copy-rate probe) and `bench startup` (writing a checkpoint)
+    "bench": {"triton", "transformers"},
     "kernels": {"transformers"},
     "tunables contract": {"torch", "triton", "transformers", "pydantic", "numpy"},  # plain Python
 }
@@ -59,8 +62,8 @@ FORBIDDEN = {
 TORCH_FREE = ["kvpilot.runtime.sched.scheduler", "kvpilot.runtime.sched.block_manager",
               "kvpilot.runtime.sched.sequence", "kvpilot.runtime.engine.step_inputs",
               "kvpilot.runtime.sched.policies", "kvpilot.runtime.sched.host_blocks",
-              "kvpilot.runtime.sched.relayout",
-              "kvpilot.runtime.executor.inputs", "kvpilot.runtime.cli"]
+              "kvpilot.runtime.sched.relayout", "kvpilot.runtime.engine.warm_up",
+              "kvpilot.runtime.executor.inputs", "kvpilot.runtime.cli", "kvpilot.runtime.quantization"]
 
 LAYER_ORDER = [name for name, _ in RUNTIME_LAYERS]
 

@@ -14,17 +14,15 @@ from kvpilot.kernels.int_gemm.layout import IntWeight
 from kvpilot.kernels.int_gemm.prefill import PrefillConfig
 
 DECODE_MAX_M = 64
-MIN_BLOCK_K = 16  # tl.dot's smallest reduction
-SPLITS = (1, 2, 4, 8)
+BLOCK_NS = (64, 32, 16)  # decode column tiles, widest first
+MAX_SPLIT = 8
 
 
 def check(x: torch.Tensor, w: IntWeight) -> None:
+    """The activations against the weight (which checked itself when made)."""
     check_tensor("x", x, 2, FLOAT_DTYPES, w.qweight.device)
-    w.check()
     if x.shape[1] != w.in_features:
         raise ValueError(f"x has {x.shape[1]} features, the weight takes {w.in_features}")
-    if block_k_for(w.group_size, 2 ** 30) < MIN_BLOCK_K:
-        raise ValueError(f"group_size {w.group_size} must be a multiple of {MIN_BLOCK_K}")
 
 
 def block_k_for(group_size: int, wanted: int) -> int:
@@ -41,16 +39,15 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_decode(m: int, w: IntWeight, num_sms: int) -> DecodeConfig:
-    """Narrow programs over N; split K only while N alone leaves fewer than two programs per SM."""
-    block_n = 32
+    """The widest column tile that still gives two programs per SM (narrower tiles read shorter
+    runs per row); K is split only where even the narrowest leaves SMs idle, since the partials'
+    sum costs two more launches."""
     block_k = block_k_for(w.group_size, DecodeConfig.block_k)
-    tiles = cdiv(w.out_features, block_n)
+    n = w.out_features
+    block_n = next((b for b in BLOCK_NS if cdiv(n, b) >= 2 * num_sms), BLOCK_NS[-1])
     split = 1
-    for s in SPLITS:
-        if w.in_features % (s * block_k) == 0:
-            split = s
-            if tiles * s >= 2 * num_sms:
-                break
+    while cdiv(n, block_n) * split < num_sms and w.in_features % (2 * split * block_k) == 0 and split < MAX_SPLIT:
+        split *= 2
     return DecodeConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 

@@ -10,10 +10,13 @@ import torch
 import torch.nn.functional as F
 
 BITS = (4, 8)
+MIN_GROUP = 16  # tl.dot's smallest reduction: a tile never straddles two groups
 
 
 @dataclass(frozen=True)
 class IntWeight:
+    """Checked when made (the launchers then check only the activations)."""
+
     qweight: torch.Tensor  # (N, K // pack) int32
     scales: torch.Tensor  # (K // group_size, N)
     zeros: torch.Tensor  # (K // group_size, N), scales' dtype
@@ -34,7 +37,7 @@ class IntWeight:
     def in_features(self) -> int:
         return int(self.qweight.shape[1]) * self.pack
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         """The layout's invariants, as ValueErrors naming the tensor."""
         if self.bits not in BITS:
             raise ValueError(f"bits must be one of {BITS}, got {self.bits}")
@@ -43,6 +46,8 @@ class IntWeight:
         n, k = self.out_features, self.in_features
         if self.group_size <= 0 or k % self.group_size:
             raise ValueError(f"group_size {self.group_size} must divide in_features {k}")
+        if self.group_size % MIN_GROUP:
+            raise ValueError(f"group_size {self.group_size} must be a multiple of {MIN_GROUP}")
         groups = (k // self.group_size, n)
         for name, t in (("scales", self.scales), ("zeros", self.zeros)):
             if tuple(t.shape) != groups:

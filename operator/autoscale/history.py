@@ -42,6 +42,9 @@ def scale_record(decision: ScaleDecision) -> DecisionRecord:
     metrics: dict[str, float] = {"target": decision.target}
     if decision.value is not None:
         metrics[decision.metric] = decision.value
+    if decision.forecast is not None:
+        metrics["arrivalRate"] = decision.forecast.rate_now
+        metrics["forecastRate"] = decision.forecast.rate_ahead
     return DecisionRecord(decision.time, "scale", str(decision.current), str(decision.desired), decision.reason,
                           metrics)
 

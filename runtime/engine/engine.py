@@ -37,6 +37,7 @@ from kvpilot.runtime.engine.block_switch import (
     warm_up_block_switches,
 )
 from kvpilot.runtime.engine.step_inputs import build_step_inputs
+from kvpilot.runtime.engine.warm_up import WarmUp
 from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.executor.inputs import StepInputs
 from kvpilot.runtime.executor.model_runner import ModelRunner
@@ -55,7 +56,8 @@ from kvpilot.runtime.sched.sequence import (
     reaches_length,
     request_output,
 )
-from kvpilot.runtime.tokenizer import Tokenizer, encode_prompt
+from kvpilot.runtime.startup import StartupLog
+from kvpilot.runtime.tokenizer import Tokenizer, encode_prompt, eos_token_ids
 from kvpilot.runtime.tunables import LiveConfig, check_changes
 
 logger = logging.getLogger(__name__)
@@ -139,11 +141,14 @@ class LLMEngine:
         self._start_config = config
         self._config_view: EngineConfig | None = None
         self._workers: Workers | None = None
+        # where start-up time goes (runtime/startup.py); `kvpilot serve` reports it at Ready
+        self.startup = StartupLog("core")
         tp = None
         if config.device.tensor_parallel_size > 1:
-            self._workers, tp = Workers.start(config)
+            with self.startup.phase("tp_workers", count=config.device.tensor_parallel_size - 1):
+                self._workers, tp = Workers.start(config)
         try:
-            self.runner = ModelRunner(config, tp)
+            self.runner = ModelRunner(config, tp, self.startup)
         except BaseException as error:
             if self._workers is None:
                 raise
@@ -152,18 +157,22 @@ class LLMEngine:
             if failure is error:
                 raise
             raise failure from error
-        self.tokenizer = Tokenizer(config.model.tokenizer) if config.model.tokenizer else None
+        self._tokenizer: Tokenizer | None = None  # loaded on first use (`tokenizer`)
+        with self.startup.phase("eos_token_ids"):
+            eos = eos_token_ids(config.model.tokenizer) if config.model.tokenizer else set()
         layout = self.runner.layout  # the owner of the block size and the block counts
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, layout.num_swap_blocks)
-        warm_up_block_switches(self.scheduler, self.block_manager, self.runner)
+        # what serving does not need yet: other block sizes' kernels and graphs, the switch pass
+        self.warm_up = WarmUp(self.runner.prepare_later(),
+                              lambda: warm_up_block_switches(self.scheduler, self.block_manager, self.runner))
         self.last_relayout: RelayoutReport | None = None
         self.requests: dict[str, Request] = {}
         self._unscheduled: set[str] = set()  # ids of the requests no step has scheduled yet
         self._seq_ids = itertools.count()  # this engine's own: ids key per-sequence state in the runner
         self._finished_seq_ids: list[int] = []  # for the runner to forget, with the next step
         self.last_step: StepStats | None = None
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())
+        self.eos_token_ids = frozenset(eos)
         # False in `kvpilot serve`'s engine core: the API process detokenizes and checks stop strings
         self.detokenize = True
         # resolved from the config; switching it between steps is safe (a step in flight is then
@@ -173,6 +182,14 @@ class LLMEngine:
         self._drained = _Resolved()  # a step postprocessed between steps: out with the next `step()`
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.runner.num_blocks,
                     self.runner.block_size, self.runner.num_blocks * self.runner.bytes_per_block / (1 << 30))
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer, loaded on first use: `kvpilot serve`'s engine core, which the API
+        process sends token ids, never loads it (seconds saved before it is ready)."""
+        if self._tokenizer is None and self.config.model.tokenizer:
+            self._tokenizer = Tokenizer(self.config.model.tokenizer)
+        return self._tokenizer
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any. The engine is unusable afterwards."""
@@ -186,7 +203,7 @@ class LLMEngine:
                     arrival_time: float | None = None, priority: int = 0, tenant: str = DEFAULT_TENANT) -> Request:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        text, token_ids = encode_prompt(self.tokenizer, prompt)
+        text, token_ids = encode_prompt(self.tokenizer if isinstance(prompt, str) else None, prompt)
         self._validate_prompt(token_ids)
         request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
                           arrival_time=time.time() if arrival_time is None else arrival_time, priority=priority,

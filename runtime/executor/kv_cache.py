@@ -17,6 +17,7 @@ space alike — in batches whose temporary memory the plan bounds.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -113,7 +114,15 @@ def allocate(layout: KVCacheLayout, num_tokens: int) -> torch.Tensor:
     of all of them (`stacked_view`): the swap space moves a block of every layer with one gather or
     scatter instead of one per row."""
     n = num_tokens * layout.num_kv_heads * layout.head_dim
-    return torch.zeros(2 * layout.num_layers, n, dtype=layout.dtype, device=layout.device)
+    if torch.device(layout.device).type != "cpu":
+        return torch.zeros(2 * layout.num_layers, n, dtype=layout.dtype, device=layout.device)
+    # on the CPU, anonymous memory: the kernel hands out zeroed pages as they are first written, so
+    # start-up does not touch the whole cache (a GiB by default) the way zeros' memset does
+    nbytes = 2 * layout.num_layers * n * layout.dtype.itemsize
+    memory = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)  # as the weights get (cli.py's THP_MEM_ALLOC_ENABLE)
+    return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(layout.dtype).view(2 * layout.num_layers, n)
 
 
 def block_view(flat: torch.Tensor, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -163,8 +172,9 @@ def relayout(storage: torch.Tensor | list[torch.Tensor], plan: Plan, num_kv_head
     copies move words of up to 8 bytes, not elements (a row of head_dim elements is never cut), and
     the indices of every batch go to the device in one upload. One tensor at a time rather than one
     strided view over all of them: over a view of the whole cache (more than 2^31 elements) the
-    copy kernels were slower, on the device and on the host (benchmarks/history/2026-12-04.md, "Every ordered pair"). No host synchronisation:
-    the copies are queued on the current stream, ahead of the next step's kernels."""
+    copy kernels were slower, on the device and on the host (benchmarks/history/2026-12-04.md,
+    "Every ordered pair"). No host synchronisation: the copies are queued on the current stream,
+    ahead of the next step's kernels."""
     old, new = plan.old_block_size, plan.new_block_size
     if old == new or not plan.batches or (new < old and not head_major):
         return 0  # token-major: the sub-blocks of a block are already its consecutive runs

@@ -121,7 +121,7 @@ def test_the_highest_rate_meeting_the_slo() -> None:
 
 def test_draws_through_three_percentiles_give_them_back() -> None:
     u = np.random.default_rng(0).exponential(size=400_000)
-    drawn = sample(np.array([[0.1, 0.3, 0.9], [1.0, 1.1, 1.5]]), u)
+    drawn = sample(np.array([[0.1, 0.3, 0.9], [1.0, 1.1, 1.5]])[:, None, :], u)
     assert drawn.shape == (2, len(u))
     assert np.percentile(drawn[0], [50, 90, 99]) == pytest.approx([0.1, 0.3, 0.9], rel=0.02)
     assert np.percentile(drawn[1], [50, 90, 99]) == pytest.approx([1.0, 1.1, 1.5], rel=0.02)

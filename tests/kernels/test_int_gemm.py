@@ -54,13 +54,13 @@ def test_pack_rows_puts_the_first_input_in_the_lowest_bits() -> None:
 
 
 def test_dequantize_applies_zeros_scales_and_the_permutation() -> None:
-    q = torch.tensor([[3, 0, 15, 7]], dtype=torch.int32)
-    w = IntWeight(pack_rows(torch.cat([q, torch.zeros(1, 4, dtype=torch.int32)], 1), 4),
-                  torch.tensor([[0.5], [2.0]]), torch.tensor([[1.0], [0.0]]), 4, 4,
-                  torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.int32))
-    # packed column j is input perm[j]: (q - 1) * 0.5 for the first group, q * 2 for the second
-    expected = torch.tensor([[0.0, 0.0, 0.0, 0.0, 3.0, 7.0, -0.5, 1.0]])
-    assert torch.equal(dequantize(w, torch.float32), expected)
+    q = torch.zeros(1, 32, dtype=torch.int32)
+    q[0, :4] = torch.tensor([3, 0, 15, 7])
+    w = IntWeight(pack_rows(q, 4), torch.tensor([[0.5], [2.0]]), torch.tensor([[1.0], [0.0]]), 4, 16,
+                  torch.arange(31, -1, -1, dtype=torch.int32))
+    # packed column j is input 31 - j: (q - 1) * 0.5 in the first group, q * 2 in the second
+    expected = [0.0] * 16 + [-0.5] * 12 + [3.0, 7.0, -0.5, 1.0]
+    assert dequantize(w, torch.float32)[0].tolist() == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -107,32 +107,36 @@ def test_per_channel_weights_take_a_tile_that_divides_the_inputs(device: torch.d
     torch.testing.assert_close(int_gemm(x, w), int_linear_reference(x, w), **tolerance(torch.float32))
 
 
-def test_split_k_only_where_columns_leave_sms_idle() -> None:
-    narrow = random_weight(64, 4096, 4, 128, torch.float32, torch.device("cpu"))
-    wide = random_weight(16384, 256, 4, 128, torch.float32, torch.device("cpu"))
-    assert choose_decode(1, narrow, num_sms=132).split_k > 1
-    assert choose_decode(1, wide, num_sms=132).split_k == 1
+def test_decode_tiles_narrow_before_splitting_k() -> None:
+    cpu = torch.device("cpu")
+    wide = choose_decode(1, random_weight(28672, 256, 4, 128, torch.float32, cpu), num_sms=132)
+    assert (wide.block_n, wide.split_k) == (64, 1)
+    square = choose_decode(1, random_weight(4096, 256, 4, 128, torch.float32, cpu), num_sms=132)
+    assert (square.block_n, square.split_k) == (16, 1)  # 256 programs: every SM busy without a split
+    narrow = choose_decode(1, random_weight(512, 4096, 4, 128, torch.float32, cpu), num_sms=132)
+    assert (narrow.block_n, narrow.split_k) == (16, 8)
+
+
+@pytest.mark.parametrize("case,message", [("features", "x has 100 features"), ("dtype", "x dtype")])
+def test_rejects_activations_that_do_not_fit(case: str, message: str) -> None:
+    w = random_weight(32, 128, 4, 64, torch.float32, torch.device("cpu"))
+    x = torch.randn(2, 100) if case == "features" else torch.randn(2, 128).to(torch.int32)
+    with pytest.raises(ValueError, match=message):
+        int_gemm(x, w)
 
 
 @pytest.mark.parametrize("case,message", [
-    ("features", "x has 100 features"), ("dtype", "x dtype"), ("group", "group_size 8 must be a multiple of 16"),
-    ("scales", "scales must have shape"), ("bits", "bits must be one of"),
+    ("group", "group_size 8 must be a multiple of 16"), ("scales", "scales must have shape"),
+    ("bits", "bits must be one of"), ("perm", "perm must be"),
 ])
-def test_rejects_bad_arguments(case: str, message: str) -> None:
+def test_a_weight_that_breaks_the_layout_is_refused_when_made(case: str, message: str) -> None:
     w = random_weight(32, 128, 4, 64, torch.float32, torch.device("cpu"))
-    x = torch.randn(2, 128)
-    if case == "features":
-        x = torch.randn(2, 100)
-    elif case == "dtype":
-        x = x.to(torch.int32)
-    elif case == "group":
-        w = IntWeight(w.qweight, torch.ones(16, 32), torch.zeros(16, 32), 4, 8)
-    elif case == "scales":
-        w = IntWeight(w.qweight, w.scales[:1], w.zeros[:1], 4, 64)
-    else:
-        w = IntWeight(w.qweight, w.scales, w.zeros, 3, 64)
+    args = {"group": (w.qweight, torch.ones(16, 32), torch.zeros(16, 32), 4, 8),
+            "scales": (w.qweight, w.scales[:1], w.zeros[:1], 4, 64),
+            "bits": (w.qweight, w.scales, w.zeros, 3, 64),
+            "perm": (w.qweight, w.scales, w.zeros, 4, 64, torch.arange(128))}[case]  # int64, not int32
     with pytest.raises(ValueError, match=message):
-        int_gemm(x, w)
+        IntWeight(*args)
 
 
 @pytest.mark.gpu

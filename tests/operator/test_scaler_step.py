@@ -17,7 +17,8 @@ SPEC = ScalingSpec(enabled=True, metric="kvCacheUsage", target=0.5, max_replicas
 
 def inputs(kv: float, waiting: float = 0.0, replicas: int = 2, coordination: Coordination | None = None,
            now: float = 1000.0) -> ScalingInputs:
-    pods = {p: dataclasses.replace(summary(p), kv_cache_usage=kv, num_waiting_seqs=waiting) for p in ("a", "b")}
+    pods = {p: dataclasses.replace(summary(p), kv_cache_usage=kv, num_waiting_seqs=waiting,
+                                  num_requests_waiting=waiting) for p in ("a", "b")}
     return ScalingInputs(now, SPEC, replicas, pods, {p: "ready" for p in pods}, coordination or Coordination(),
                          dwell_s=60)
 

@@ -143,12 +143,16 @@ def test_block_size_change_mid_generation_keeps_outputs(tiny_models, async_sched
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_start_up_switches_through_every_block_size_and_leaves_the_engine_as_configured(tiny_models) -> None:
-    # the warm-up re-lays blocks no sequence holds at every allowed size; a tiny cache (2 blocks of
-    # 64) still takes every size, and the engine starts at the configured one with everything free
+def test_the_switch_pass_waits_until_after_start_and_leaves_the_engine_as_configured(tiny_models) -> None:
+    # nothing but the start size is touched before the engine is ready; the pass done afterwards
+    # (warm_up.py) re-lays blocks no sequence holds at every allowed size; a tiny cache (2 blocks
+    # of 64) still takes every size, and the engine is left at the configured one, everything free
     folder, hf = tiny_models["mistral"]
     llm = LLM(folder, max_model_len=128, block_size=32, num_gpu_blocks_override=4, swap_space=0.001)
     engine = llm.engine
+    assert sorted(engine.runner._views_by_size) == [32] and engine.warm_up.pending
+    engine.warm_up.finish()
+    assert not engine.warm_up.pending
     assert sorted(engine.runner._views_by_size) == engine.runner.allowed_block_sizes == [8, 16, 32, 64]
     assert engine.runner.block_size == engine.block_manager.block_size == 32 and engine.last_relayout is None
     assert engine.block_manager.num_blocks == 4 and engine.block_manager.num_free_blocks == 4
