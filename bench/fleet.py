@@ -47,7 +47,7 @@ import numpy as np
 from kvpilot.bench.arrival_trace import Trace
 from kvpilot.bench.autoscale_modes import Cluster, Phase, hpa_decision, keda_decision
 from kvpilot.bench.autoscale_scrapes import TTFT_BUCKETS, Scrape, draw_gauges, summarize
-from kvpilot.bench.capacity_curve import LATENCIES, CapacityCurve, sample
+from kvpilot.bench.capacity_curve import LATENCIES, CapacityCurve, sample, share_within
 from kvpilot.operator.autoscale import (
     PodState,
     ScalerState,
@@ -60,6 +60,7 @@ from kvpilot.operator.autoscale.forecast import RateSeries, look_ahead
 from kvpilot.operator.autotune import WindowSummary
 
 _BOUNDS = np.array(TTFT_BUCKETS)
+_TTFT, _E2E = LATENCIES.index("ttft"), LATENCIES.index("e2e")
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,7 @@ class _Simulation:
             self.backlog[slots] = backlog
         queued = after > 0  # serving at its capacity, whatever it is offered
         table = self.curve.latencies_at(np.append(calm, cap))  # (ticks + 1, kinds, 3): the last at capacity
-        p50 = table[:, LATENCIES.index("e2e"), 0]
+        p50 = table[:, _E2E, 0]
         speed = np.where(queued, 1 / p50[-1], 1 / p50[:-1, None])
         served = speed * tick
         clock = self.clock[slots] + np.cumsum(served, axis=0) - served  # at each tick's start
@@ -308,28 +309,41 @@ class _Simulation:
             self.preemptions[slots] += np.where(queued, per_s[-1], per_s[:-1, None]).sum(axis=0) * tick
         if arrivals == 0:
             return
-        at = np.repeat(np.arange(ticks), counts)  # each request's tick
-        which = self.rng.integers(0, n, size=arrivals)  # each request to a Ready replica at random
-        self.arrived[slots] += np.bincount(which, minlength=n)
-        u = self.rng.exponential(size=arrivals)
-        row = np.where(queued[at, which], ticks, at)
-        ttft, itl, e2e = sample(table[row].transpose(1, 0, 2), u)
-        wait = ((before + after) / (2 * cap))[at, which]
-        ttft += wait
-        e2e += wait
-        met = ttft <= self.config.slo_ttft_s
-        if self.config.slo_e2e_s is not None:
-            met &= e2e <= self.config.slo_e2e_s
-        num_met = int(met.sum())
+        # requests counted by tick and replica, each going to a Ready replica at random; a cell's
+        # latencies follow its row of the curve (at the capacity while the replica queues) plus
+        # its wait, so what is counted of them comes from the distribution, not from draws
+        split = self.rng.multinomial(counts, np.full(n, 1 / n))  # (ticks, n)
+        self.arrived[slots] += split.sum(axis=0)
+        rows = table[np.where(queued, ticks, np.arange(ticks)[:, None])]  # (ticks, n, kinds, 3)
+        wait = (before + after) / (2 * cap)
+        within = share_within(rows[..., _TTFT, :], self.config.slo_ttft_s - wait)
+        if self.config.slo_e2e_s is not None:  # one draw for every kind: both within is the lesser
+            within = np.minimum(within, share_within(rows[..., _E2E, :], self.config.slo_e2e_s - wait))
+        num_met = int(self.rng.binomial(split, within).sum())
         self.result.num_met += num_met
         minute[1] += num_met
-        buckets = len(TTFT_BUCKETS) + 1
-        index = which * buckets + np.searchsorted(_BOUNDS, ttft, side="left")  # le: v <= bound
-        self.ttft[slots] += np.bincount(index, minlength=n * buckets).reshape(n, buckets)
-        np.maximum.at(self.finish, slots[which], clock[at, which] + e2e * speed[at, which])
+        if self.reads_ttft:
+            below = share_within(rows[..., None, _TTFT, :], _BOUNDS - wait[..., None])  # (ticks, n, bounds)
+            shares = np.diff(below, prepend=0.0, append=1.0, axis=-1)
+            self.ttft[slots] += self.rng.multinomial(split, shares).sum(axis=0)
+        # the last to finish of a cell's requests is the slowest of them: the largest of `split`
+        # exponential draws, -ln(1 - V^(1/split))
+        busy = split > 0
+        slowest = -np.log1p(-self.rng.random(split.shape) ** (1 / np.maximum(split, 1)))
+        e2e = sample(rows[..., _E2E, :], slowest) + wait
+        done = np.where(busy, clock + e2e * speed, -np.inf).max(axis=0)
+        self.finish[slots] = np.maximum(self.finish[slots], done)
         if self.record:
-            for kind, values in zip(LATENCIES, (ttft, itl, e2e), strict=True):
-                self.result.latencies[kind].append(values)
+            self._record(split, rows, wait)
+
+    def _record(self, split: np.ndarray, rows: np.ndarray, wait: np.ndarray) -> None:
+        """Each request's latencies drawn (the self-check compares their percentiles)."""
+        cell = np.repeat(np.arange(split.size), split.ravel())
+        u = self.rng.exponential(size=len(cell))
+        per_request = rows.reshape(split.size, *rows.shape[2:])[cell]  # (requests, kinds, 3)
+        delay = wait.ravel()[cell]
+        for i, kind in enumerate(LATENCIES):
+            self.result.latencies[kind].append(sample(per_request[:, i], u) + (delay if kind != "itl" else 0.0))
 
     def _scrape(self, now: float, rate: float) -> None:
         while self.gone and self.gone[0].removed_at < now - self.keep_s:  # type: ignore[operator]

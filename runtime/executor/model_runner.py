@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterator
 
@@ -47,6 +48,16 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 
 
+def _triton_cache_entries() -> int:
+    """Kernels in Triton's on-disk cache (one folder each): how many a phase compiled rather than
+    loaded, for the start-up record."""
+    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:
+        return len(os.listdir(folder))
+    except OSError:
+        return 0
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPInfo | None = None, startup: StartupLog | None = None) -> None:
         self.config = config
@@ -80,8 +91,9 @@ class ModelRunner:
         self.profiled_step_tokens: int | None = None
         self.swap_space: SwapSpace | None = None  # made once the KV cache exists
         with self.startup.phase("kv_profile") as profiled:  # a worst-case forward pass on CUDA (its first)
+            cached = _triton_cache_entries()
             num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
-            profiled["num_blocks"] = num_blocks
+            profiled.update(num_blocks=num_blocks, kernels_compiled=_triton_cache_entries() - cached)
         self.layout = dataclasses.replace(self.layout, num_blocks=num_blocks, capacity_tokens=num_blocks * self.block_size)
         with self.startup.phase("kv_alloc", bytes=num_blocks * self.bytes_per_block):
             # one allocation for the runner's life: a block-size change re-cuts it in place (kv_cache.py)
@@ -124,9 +136,11 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         sizes = self.allowed_block_sizes if self.tp.size > 1 else [self.block_size]
-        with self.startup.phase("kernels", block_sizes=sizes):
+        with self.startup.phase("kernels", block_sizes=sizes) as compiled:
+            cached = _triton_cache_entries()
             for size in sizes:
                 self._compile_kernels(size)
+            compiled["kernels_compiled"] = _triton_cache_entries() - cached
         if self._uses_graphs:
             with self.startup.phase("graphs") as captured:
                 self.graphs = self._graphs_for(self.block_size)
