@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvpilot.runtime.config import BLOCK_SIZES
+from kvpilot.runtime.tunables import BLOCK_SIZE
 
 # Temporary memory one relayout batch may use per cache tensor (one layer's K or V): the plan's
 # max_batch is derived from it, so a switch needs this much headroom on the device, not a second cache.
@@ -81,8 +81,7 @@ class KVCacheLayout:
     swap_capacity_tokens: int  # slots of the host swap space (same per-block layout)
 
     def __post_init__(self) -> None:
-        if self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block_size: must be one of {', '.join(map(str, BLOCK_SIZES))}, not {self.block_size}")
+        BLOCK_SIZE.check(self.block_size)
         if self.num_blocks != self.capacity_tokens // self.block_size:
             raise ValueError(f"num_blocks {self.num_blocks} does not cut {self.capacity_tokens} slots into blocks of {self.block_size}")
 
