@@ -85,6 +85,7 @@ class EngineSnapshot(msgspec.Struct, frozen=True, array_like=True):
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = False
     waiting_requests_by_tenant: dict[str, int] = {}  # requests waiting or swapped out, per tenant
+    warming_up: bool = False  # start-up work left for after Ready still runs (engine/warm_up.py)
 
 
 class StepStatsMsg(msgspec.Struct, array_like=True):
@@ -238,14 +239,13 @@ def run_core(config: Any, input_addr: str, output_addr: str, max_queue_len: int 
     encoder = msgspec.msgpack.Encoder()
     engine = None
     try:
-        from kvpilot.runtime.startup import Phase, process_start_time
-
-        started = process_start_time()
         if engine_factory is None:
             from kvpilot.runtime.engine.engine import LLMEngine
 
             engine_factory = LLMEngine
-        imports = Phase("core_imports", "core", started, time.time() - started)
+        from kvpilot.runtime.startup import starting_phase
+
+        imports = starting_phase("core_imports", "core")
         engine = engine_factory(config)
         engine.detokenize = False
         # the step hands back its touched `Request`s as they are: the core reads only their new
@@ -297,6 +297,8 @@ class EngineCore:
             if idle and not self.inbox.poll(0 if later else self.POLL_MS):
                 if later is not None:
                     later.run_one(idle=True)
+                    if not later.pending:  # done: the API process learns it now, not at the next request
+                        self.send(CoreOutputs([], self.snapshot()))
                 elif os.getppid() != self.parent_pid:
                     logger.warning("the API process is gone: the engine core exits")
                     return
@@ -438,6 +440,7 @@ class EngineCore:
             preemption_mode=sched.preemption_mode,
             enable_prefix_caching=cache.enable_prefix_caching,
             waiting_requests_by_tenant=dict(e.scheduler.backlog),
+            warming_up=bool(getattr(getattr(e, "warm_up", None), "pending", False)),
         )
 
 

@@ -58,15 +58,15 @@ from kvpilot.runtime.sched.sequence import (
 )
 from kvpilot.runtime.startup import StartupLog
 from kvpilot.runtime.tokenizer import Tokenizer, encode_prompt, eos_token_ids
+from kvpilot.runtime.tunables import LiveConfig, check_changes
 
 logger = logging.getLogger(__name__)
 
 
-# Engine settings that `update_config` changes on a live engine, and the config layer of each.
-LIVE_TUNABLES = {
-    "block_size": "cache", "preemption_mode": "scheduler", "scheduler_policy": "scheduler",
-    "max_num_seqs": "scheduler", "max_num_batched_tokens": "scheduler",
-}
+# How `update_config` applies each live tunable (kvpilot.runtime.tunables names and checks them):
+# the block size re-cuts the KV cache (block_switch.py); these become the scheduler's config field
+SCHEDULER_FIELDS = {"preemption_mode": "preemption_mode", "scheduler_policy": "policy",
+                    "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens"}
 
 
 @dataclass
@@ -138,7 +138,8 @@ def _fails_with_workers(method: Callable[Concatenate[LLMEngine, P], R]) -> Calla
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        self._start_config = config
+        self._config_view: EngineConfig | None = None
         self._workers: Workers | None = None
         # where start-up time goes (runtime/startup.py); `kvpilot serve` reports it at Ready
         self.startup = StartupLog("core")
@@ -267,40 +268,51 @@ class LLMEngine:
 
     # ---- live tuning ----------------------------------------------------------------------
 
+    @property
+    def config(self) -> EngineConfig:
+        """The configuration in force: the start's, with each live tunable read from its one
+        holder — the block size from the runner's KV layout, the scheduling limits, policy and
+        preemption mode from the scheduler's config — so no copy of them can go stale."""
+        block_size, scheduler = self.runner.block_size, self.scheduler.config
+        view = self._config_view
+        if view is None or view.scheduler is not scheduler or view.cache.block_size != block_size:
+            start = self._start_config
+            view = self._config_view = dataclasses.replace(
+                start, cache=dataclasses.replace(start.cache, block_size=block_size), scheduler=scheduler)
+        return view
+
     def live_config(self) -> dict[str, object]:
-        c = self.config
-        return {"block_size": c.cache.block_size, "preemption_mode": c.scheduler.preemption_mode,
-                "scheduler_policy": c.scheduler.policy, "max_num_seqs": c.scheduler.max_num_seqs,
-                "max_num_batched_tokens": c.scheduler.max_num_batched_tokens}
+        s = self.scheduler.config
+        return LiveConfig(block_size=self.runner.block_size, preemption_mode=s.preemption_mode,
+                          max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                          scheduler_policy=s.policy).to_json()
 
     @_fails_with_workers
     def update_config(self, changes: dict[str, object]) -> dict[str, object]:
         """Apply live tunables between steps without dropping a request; returns what changed
-        as {name: {"old": ..., "new": ...}}. Call only from the thread that runs `step`.
+        as {name: {"old": ..., "new": ...}}. Call only from the thread that runs `step`. Every
+        value is checked (the contract's rules, then the engine's own) before anything changes.
 
         A new block size re-cuts the KV cache in place and keeps the KV of running and swapped
-        sequences (block_switch.py); `last_relayout` says what it cost.
+        sequences (block_switch.py); `last_relayout` says what it cost. A higher max_num_seqs
+        captures the decode graphs for the larger batch (on CUDA).
         """
-        unknown = sorted(set(changes) - set(LIVE_TUNABLES))
-        if unknown:
-            raise ValueError(f"{unknown[0]}: not a live tunable (tunables: {', '.join(LIVE_TUNABLES)})")
         before = self.live_config()
-        for name, value in changes.items():
-            if type(value) is not type(before[name]):
-                raise ValueError(f"{name}: expected {type(before[name]).__name__}, got {value!r}")
-        wanted = {k: v for k, v in changes.items() if before[k] != v}
-        if wanted:
-            self._drain()  # the changes (a re-cut above all) meet no token in flight
-        sched_fields = {("policy" if k == "scheduler_policy" else k): v for k, v in wanted.items()
-                        if LIVE_TUNABLES[k] == "scheduler"}
-        cache = self.config.cache
-        scheduler = dataclasses.replace(self.config.scheduler, **sched_fields)  # type: ignore[arg-type]
+        wanted = {k: v for k, v in check_changes(changes).items() if before[k] != v}
+        if not wanted:
+            return {}
+        scheduler = dataclasses.replace(self.scheduler.config, **{  # type: ignore[arg-type]
+            SCHEDULER_FIELDS[k]: v for k, v in wanted.items() if k in SCHEDULER_FIELDS})
+        limit = self.runner.profiled_step_tokens
+        if limit is not None and scheduler.max_num_batched_tokens > limit:
+            raise ValueError(f"max_num_batched_tokens: at most {limit} on this engine, the step its device memory "
+                             f"was sized for at start (--max-num-batched-tokens); not {scheduler.max_num_batched_tokens}")
+        self._drain()  # the changes (a re-cut above all) meet no token in flight
         if "block_size" in wanted:
-            cache = dataclasses.replace(cache, block_size=wanted["block_size"])  # type: ignore[arg-type]
             with gc_paused():
                 self.last_relayout = change_block_size(self.scheduler, self.block_manager, self.runner,
-                                                       cache.block_size)
-        self.config = dataclasses.replace(self.config, cache=cache, scheduler=scheduler)
+                                                       int(wanted["block_size"]))  # type: ignore[call-overload]
+        self.runner.fit_decode_graphs(scheduler.max_num_seqs)
         self.scheduler.reconfigure(scheduler)
         after = self.live_config()
         return {k: {"old": before[k], "new": after[k]} for k in wanted}

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvpilot.kernels.kv_quant import FP8
-from kvpilot.runtime.config import BLOCK_SIZES
+from kvpilot.runtime.tunables import BLOCK_SIZE
 
 # Temporary memory one relayout batch may use per cache tensor (one layer's K or V): the plan's
 # max_batch is derived from it, so a switch needs this much headroom on the device, not a second cache.
@@ -83,8 +83,7 @@ class KVCacheLayout:
     swap_capacity_tokens: int  # slots of the host swap space (same per-block layout)
 
     def __post_init__(self) -> None:
-        if self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block_size: must be one of {', '.join(map(str, BLOCK_SIZES))}, not {self.block_size}")
+        BLOCK_SIZE.check(self.block_size)
         if self.num_blocks != self.capacity_tokens // self.block_size:
             raise ValueError(f"num_blocks {self.num_blocks} does not cut {self.capacity_tokens} slots into blocks of {self.block_size}")
 
@@ -189,8 +188,9 @@ def relayout(storage: torch.Tensor | list[torch.Tensor], plan: Plan, num_kv_head
     copies move words of up to 8 bytes, not elements (a row of head_dim elements is never cut), and
     the indices of every batch go to the device in one upload. One tensor at a time rather than one
     strided view over all of them: over a view of the whole cache (more than 2^31 elements) the
-    copy kernels were slower, on the device and on the host (benchmarks/history/2026-12-04.md, "Every ordered pair"). No host synchronisation:
-    the copies are queued on the current stream, ahead of the next step's kernels."""
+    copy kernels were slower, on the device and on the host (benchmarks/history/2026-12-04.md,
+    "Every ordered pair"). No host synchronisation: the copies are queued on the current stream,
+    ahead of the next step's kernels."""
     old, new = plan.old_block_size, plan.new_block_size
     if old == new or not plan.batches or (new < old and not head_major):
         return 0  # token-major: the sub-blocks of a block are already its consecutive runs

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterator
 
@@ -18,11 +19,16 @@ import torch
 
 from kvpilot.kernels import ops as kernel_ops
 from kvpilot.kernels.reference import ReferenceOps
-from kvpilot.runtime.config import BLOCK_SIZES, EngineConfig
+from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.executor import kv_cache, kv_scales
 from kvpilot.runtime.executor.batch import fill_pending, to_device, to_tensors
 from kvpilot.runtime.executor.cpu_linear import pack_linears
-from kvpilot.runtime.executor.cuda_graphs import DecodeGraphs, GraphsBySize, model_forward
+from kvpilot.runtime.executor.cuda_graphs import (
+    MAX_CAPTURE_SIZE,
+    DecodeGraphs,
+    GraphsBySize,
+    model_forward,
+)
 from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
 from kvpilot.runtime.executor.kv_cache import KVCacheLayout
 from kvpilot.runtime.executor.loader import load_model, resolve_dtype
@@ -36,10 +42,21 @@ from kvpilot.runtime.executor.sampler import (
 )
 from kvpilot.runtime.executor.swap import MAX_STAGING_BYTES, SwapSpace, SwapStats
 from kvpilot.runtime.startup import StartupLog
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+
+
+def _triton_cache_entries() -> int:
+    """Kernels in Triton's on-disk cache (one folder each): how many a phase compiled rather than
+    loaded, for the start-up record."""
+    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:
+        return len(os.listdir(folder))
+    except OSError:
+        return 0
 
 
 class ModelRunner:
@@ -71,14 +88,18 @@ class ModelRunner:
         self.layout = dataclasses.replace(  # --swap-space GiB, per rank under tensor parallelism
             self.layout, swap_capacity_tokens=int(config.cache.swap_space_gib * GiB) // self.layout.bytes_per_token)
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists
+        # the largest step the device memory was sized for (CUDA: a larger one could run out of
+        # it); None where nothing was profiled
+        self.profiled_step_tokens: int | None = None
         self.swap_space: SwapSpace | None = None  # made once the KV cache exists
         self.kv_scales_source: str | None = None  # where an FP8 cache's scales came from
         if self.layout.dtype != self.dtype:  # FP8: the scales before any step writes the cache
             with self.startup.phase("kv_scales") as settled:
                 self.kv_scales_source = settled["source"] = self._settle_kv_scales()
         with self.startup.phase("kv_profile") as profiled:  # a worst-case forward pass on CUDA (its first)
+            cached = _triton_cache_entries()
             num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
-            profiled["num_blocks"] = num_blocks
+            profiled.update(num_blocks=num_blocks, kernels_compiled=_triton_cache_entries() - cached)
         self.layout = dataclasses.replace(self.layout, num_blocks=num_blocks, capacity_tokens=num_blocks * self.block_size)
         with self.startup.phase("kv_alloc", bytes=num_blocks * self.bytes_per_block):
             # one allocation for the runner's life: a block-size change re-cuts it in place (kv_cache.py)
@@ -90,6 +111,9 @@ class ModelRunner:
             self.swap_space = SwapSpace(self.kv_caches, self.layout.swap_bytes,
                                         stacked=kv_cache.stacked_view(self._kv_storage, self.layout))
         self._graph_sets = GraphsBySize()
+        # the largest decode batch the graphs are captured for: the start's max_num_seqs, raised
+        # with it (`fit_decode_graphs`); the runner reads no live tunable from `config`
+        self._decode_batch = config.scheduler.max_num_seqs
         self._compiled: set[int] = set()  # block sizes whose kernel variants are compiled
         self._generators: dict[int, torch.Generator] = {}  # seeded sequences' own random streams
         self._sampled: torch.Tensor | None = None  # the latest step's sampled tokens, on the device
@@ -118,9 +142,11 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         sizes = self.allowed_block_sizes if self.tp.size > 1 else [self.block_size]
-        with self.startup.phase("kernels", block_sizes=sizes):
+        with self.startup.phase("kernels", block_sizes=sizes) as compiled:
+            cached = _triton_cache_entries()
             for size in sizes:
                 self._compile_kernels(size)
+            compiled["kernels_compiled"] = _triton_cache_entries() - cached
         if self._uses_graphs:
             with self.startup.phase("graphs") as captured:
                 self.graphs = self._graphs_for(self.block_size)
@@ -143,7 +169,10 @@ class ModelRunner:
                 continue
             graphs = self._new_graphs(size)
             while not graphs.complete:
-                if self._graph_sets.get(size) is not None:
+                # captured meanwhile by a live change, or for a smaller batch than max_num_seqs now asks
+                # (`fit_decode_graphs`): left to `_graphs_for`
+                if self._graph_sets.get(size) is not None or graphs.max_batch < min(self._decode_batch,
+                                                                                     MAX_CAPTURE_SIZE):
                     break
                 with torch.inference_mode():
                     graphs.capture_next(self._graph_sets.pool)
@@ -220,8 +249,25 @@ class ModelRunner:
 
     def _new_graphs(self, block_size: int) -> DecodeGraphs:
         forward = model_forward(self.model, self._caches_for(block_size), self.rope, self.ops.for_graphs())
-        return DecodeGraphs(forward, self.config.scheduler.max_num_seqs,
-                            -(-self.config.model.max_model_len // block_size), self.device)
+        return DecodeGraphs(forward, self._decode_batch, -(-self.config.model.max_model_len // block_size),
+                            self.device)
+
+    def fit_decode_graphs(self, max_num_seqs: int) -> None:
+        """Decode graphs for batches of up to `max_num_seqs` (a live raise of the limit): every
+        captured block size's graphs are captured again for the larger batch, so its decode steps
+        replay a graph instead of running eagerly. A lower limit keeps the graphs (a smaller batch
+        pads into them)."""
+        if max_num_seqs <= self._decode_batch:
+            return
+        self._decode_batch = max_num_seqs  # graphs captured from now on hold it
+        if self.graphs is None or min(max_num_seqs, MAX_CAPTURE_SIZE) <= self.graphs.max_batch:
+            return
+        sizes = self._graph_sets.block_sizes
+        self.graphs, self._graph_sets = None, GraphsBySize()  # the old graphs and their pool go
+        torch.cuda.empty_cache()
+        for size in sorted(sizes, key=lambda s: s != self.block_size):  # the live size first
+            self._graphs_for(size)
+        self.graphs = self._graphs_for(self.block_size)
 
     @property
     def num_swap_blocks(self) -> int:
@@ -278,6 +324,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         n = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
+        self.profiled_step_tokens = self.config.scheduler.max_num_batched_tokens
         self._forward_probe(n)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()

@@ -211,6 +211,8 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             "num_blocks": snap.num_blocks,
             "draining": state.draining,
             "reloading": state.reloading,
+            # start-up work done after Ready (other block sizes' kernels and graphs) still runs
+            "warming_up": snap.warming_up,
             "device": await _device_memory(state),
         }
         if not state.engine.is_alive:

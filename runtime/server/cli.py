@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 
 from kvpilot.runtime.args import add_engine_arguments
 
@@ -46,10 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpilot.runtime.startup import Phase, StartupLog, process_start_time
+    from kvpilot.runtime.startup import StartupLog, starting_phase
 
-    started = process_start_time()
-    startup = StartupLog("api", [Phase("interpreter", "api", started, time.time() - started)])
+    startup = StartupLog("api", [starting_phase("interpreter", "api")])
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvpilot.runtime.args import EngineArgs
     from kvpilot.runtime.caches import ensure_writable_caches
