@@ -31,7 +31,7 @@ from kvpilot.bench.arrival_trace import DAY_S, Trace, TraceError, day_trace, loa
 from kvpilot.bench.autoscale_modes import Cluster
 from kvpilot.bench.autoscale_plan import MODES, SIGNALS, Plan, Settings, plan
 from kvpilot.bench.capacity_curve import CapacityCurve, CurveError, load_curve
-from kvpilot.bench.flags import positive
+from kvpilot.bench.flags import fraction, percent, positive_float, tolerance
 from kvpilot.bench.fleet import FleetResult, SimConfig, simulate
 from kvpilot.bench.self_check import self_check
 from kvpilot.operator.autoscale.scaling_spec import (
@@ -50,49 +50,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "bench/capacity_curve.py documents")
     g.add_argument("--trace", default=None, metavar="FILE", type=Path,
                    help="arrival rate over time, CSV time_s,rate or JSON (default: a built-in day with bursts)")
-    g.add_argument("--peak-rate", type=positive, default=None, metavar="REQ/S",
+    g.add_argument("--peak-rate", type=positive_float, default=None, metavar="REQ/S",
                    help="built-in trace: the day's peak before bursts (default: 8 replicas' worth at the SLO)")
-    g.add_argument("--duration", type=positive, default=DAY_S, metavar="SECONDS",
+    g.add_argument("--duration", type=positive_float, default=DAY_S, metavar="SECONDS",
                    help="built-in trace: the day squeezed into this long")
     g.add_argument("--bursts", type=int, default=8, help="built-in trace: bursts in the day")
     g.add_argument("--write-trace", default=None, metavar="FILE", type=Path,
                    help="write the first day simulated as CSV (time_s,rate), which --trace reads back")
     g = parser.add_argument_group("SLO")
-    g.add_argument("--slo-ttft-ms", type=positive, default=1000.0, help="a request meets the SLO within this TTFT")
-    g.add_argument("--slo-e2e-ms", type=positive, default=None, help="...and, when given, within this E2E")
-    g.add_argument("--slo-goal", type=_percent, default=99.9, metavar="PERCENT",
+    g.add_argument("--slo-ttft-ms", type=positive_float, default=1000.0, help="a request meets the SLO within this TTFT")
+    g.add_argument("--slo-e2e-ms", type=positive_float, default=None, help="...and, when given, within this E2E")
+    g.add_argument("--slo-goal", type=percent, default=99.9, metavar="PERCENT",
                    help="the share of requests within the SLO a setting must reach to count as its family's best")
     g = parser.add_argument_group("fleets and settings")
     g.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the modes simulated")
     g.add_argument("--signals", nargs="+", choices=list(SIGNALS), default=["kvCacheUsage", "waitingPerReplica"],
                    help="the signals each mode scales on (hpa and keda: kvCacheUsage and waitingPerReplica)")
-    g.add_argument("--headroom", type=_fraction, nargs="+", default=[0.6], metavar="SHARE",
+    g.add_argument("--headroom", type=fraction, nargs="+", default=[0.6], metavar="SHARE",
                    help="targets are the signals' values at this share of the highest rate meeting the SLO")
-    g.add_argument("--tolerance", type=_tolerance, nargs="+", default=[0.1], metavar="SHARE",
+    g.add_argument("--tolerance", type=tolerance, nargs="+", default=[0.1], metavar="SHARE",
                    help="a ratio to the target within it changes nothing (the HPA's default 0.1)")
     g.add_argument("--forecast-horizon", type=_horizon, nargs="+", default=[None], metavar="SECONDS|auto",
                    help="builtin's forecast horizon; auto: the start-up delay plus one interval")
-    g.add_argument("--forecast-lookback", type=positive, default=DEFAULT_LOOKBACK_S, metavar="SECONDS")
+    g.add_argument("--forecast-lookback", type=positive_float, default=DEFAULT_LOOKBACK_S, metavar="SECONDS")
     g.add_argument("--max-replicas", type=int, default=None, help="maxReplicas (default: 2x the static fleet)")
     g = parser.add_argument_group("cluster")
-    g.add_argument("--startup-delay", type=positive, default=120.0, metavar="SECONDS",
+    g.add_argument("--startup-delay", type=positive_float, default=120.0, metavar="SECONDS",
                    help="a new replica's creation to Ready: the pod's scheduling and start plus kvpilot's")
     g.add_argument("--pending", type=float, default=5.0, metavar="SECONDS",
                    help="the first part of the start-up, Pending (an HPA counts the pod unready, not missing)")
-    g.add_argument("--interval", type=positive, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
+    g.add_argument("--interval", type=positive_float, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
                    help="builtin's interval (it scrapes every pod and decides this often)")
-    g.add_argument("--window", type=positive, default=DEFAULT_WINDOW_S, metavar="SECONDS",
+    g.add_argument("--window", type=positive_float, default=DEFAULT_WINDOW_S, metavar="SECONDS",
                    help="builtin's and keda's window")
-    g.add_argument("--prometheus-interval", type=positive, default=Cluster.prometheus_interval_s, metavar="SECONDS",
+    g.add_argument("--prometheus-interval", type=positive_float, default=Cluster.prometheus_interval_s, metavar="SECONDS",
                    help="Prometheus's scrapes of the engines (the chart's engineMonitoring.interval)")
-    g.add_argument("--adapter-window", type=positive, default=Cluster.adapter_window_s, metavar="SECONDS",
+    g.add_argument("--adapter-window", type=positive_float, default=Cluster.adapter_window_s, metavar="SECONDS",
                    help="prometheus-adapter's range (the chart's prometheusAdapterRules.window)")
-    g.add_argument("--hpa-sync", type=positive, default=Cluster.hpa_sync_s, metavar="SECONDS",
+    g.add_argument("--hpa-sync", type=positive_float, default=Cluster.hpa_sync_s, metavar="SECONDS",
                    help="the HPA controller's sync period")
-    g.add_argument("--request-timeout", type=positive, default=60.0, metavar="SECONDS",
+    g.add_argument("--request-timeout", type=positive_float, default=60.0, metavar="SECONDS",
                    help="clients give up on a request queued this long")
     g = parser.add_argument_group("simulation")
-    g.add_argument("--tick", type=positive, default=1.0, metavar="SECONDS")
+    g.add_argument("--tick", type=positive_float, default=1.0, metavar="SECONDS")
     g.add_argument("--seed", type=int, nargs="+", default=[0], metavar="N",
                    help="the days simulated (the built-in day's bursts and every day's arrivals); pooled")
     g.add_argument("--choose-on", type=int, nargs="+", default=None, metavar="N",
@@ -192,29 +192,5 @@ def _trace(args: argparse.Namespace, slo_rate: float, seed: int) -> Trace:
     return day_trace(args.peak_rate or 8 * slo_rate, args.duration, bursts=args.bursts, seed=seed)
 
 
-def _percent(text: str) -> float:
-    value = positive(text)
-    if value > 100:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 100], not {text!r}")
-    return value
-
-
-def _tolerance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1), not {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = positive(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1], not {text!r}")
-    return value
-
-
 def _horizon(text: str) -> float | None:
-    return None if text == "auto" else positive(text)
+    return None if text == "auto" else positive_float(text)

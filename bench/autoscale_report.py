@@ -90,16 +90,18 @@ def reach(rows: Sequence[Row], cost: float) -> float | None:
     return max(shares) if shares else None
 
 
-def frontier_gap(mine: Sequence[Row], theirs: Sequence[Row]) -> tuple[bool, float, Row | None]:
-    """Whether `mine` is at or above `theirs` at every cost of theirs, and the worst margin (share
-    within the SLO, mine less theirs; -1 where mine has no setting that cheap) with its setting."""
-    worst, at = math.inf, None
+def frontier_gap(mine: Sequence[Row], theirs: Sequence[Row]) -> tuple[float, Row | None, list[Row]]:
+    """The worst margin of `mine` over `theirs` (share within the SLO at the cost of each of their
+    settings, mine less theirs) with the setting it falls at, over their settings at least as
+    costly as mine's cheapest; and those cheaper than any of mine, which it cannot be judged at."""
+    worst, at, cheaper = math.inf, None, []
     for row in theirs:
         mine_then = reach(mine, row.cost)
-        margin = -1.0 if mine_then is None else mine_then - row.attainment
-        if margin < worst:
-            worst, at = margin, row
-    return worst >= 0, worst, at
+        if mine_then is None:
+            cheaper.append(row)
+        elif mine_then - row.attainment < worst:
+            worst, at = mine_then - row.attainment, row
+    return worst, at, cheaper
 
 
 def outside_at(rows: Sequence[Row], cost: float) -> float | None:
@@ -125,9 +127,12 @@ def comparisons(pooled: Pooled, goal: float) -> list[dict[str, Any]]:
         for other in ("hpa", "keda", "builtin-reactive"):
             theirs = pooled.family(f"{other}:{signal}")
             if theirs:
-                holds, margin, at = frontier_gap(mine, theirs)
+                margin, at, cheaper = frontier_gap(mine, theirs)
                 out.append({"kind": "frontier", "mine": f"builtin:{signal}", "theirs": f"{other}:{signal}",
-                            "holds": holds, "worst_margin": margin, "at": at.setting if at else None})
+                            "holds": at is None or margin >= 0, "worst_margin": None if at is None else margin,
+                            "at": None if at is None else at.setting,
+                            "cheaper": [{"setting": r.setting, "cost": r.cost, "attainment": r.attainment}
+                                        for r in cheaper]})
         bound = pooled.family(BOUND)
         chosen = best[f"builtin:{signal}"]
         expected = outside_at(bound, chosen.cost) if bound else None
@@ -151,7 +156,14 @@ def print_comparisons(items: Sequence[Mapping[str, Any]]) -> None:
     print()
     for c in items:
         if c["kind"] == "frontier":
-            verdict = "at or above" if c["holds"] else f"BELOW at {c['at']} (by {-c['worst_margin']:.3%})"
+            if c["holds"]:
+                verdict = "at or above at every cost" + ("" if c["at"] is None else
+                                                          f" (closest at {c['at']}: +{c['worst_margin']:.3%})")
+            else:
+                verdict = f"BELOW at {c['at']} (by {-c['worst_margin']:.3%})"
+            if c["cheaper"]:
+                verdict += (f"; not judged where {c['theirs']} is cheaper than any of its settings: "
+                            + ", ".join(f"{r['setting']} ({r['cost']:.1%}, {r['attainment']:.3%})" for r in c["cheaper"]))
             print(f"{c['mine']} frontier vs {c['theirs']}: {verdict}")
         elif c["bound_outside"] is None:
             print(f"{c['mine']}: {c['outside']} outside the SLO at {c['cost']:.1%}; the reactive bound has no "

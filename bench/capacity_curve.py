@@ -149,6 +149,19 @@ def sample(percentiles: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.maximum(np.where(u < _U[1], low, high), 0.0)
 
 
+def share_within(percentiles: np.ndarray, limit: np.ndarray) -> np.ndarray:
+    """The share of `sample`'s draws at most `limit` (P(latency <= limit)), `percentiles` (..., 3)
+    broadcast against `limit`: `sample` inverted, the draw u whose latency is the limit, as
+    1 - exp(-u)."""
+    p = np.asarray(percentiles, dtype=np.float64)
+    p0, p1, p2 = p[..., 0], p[..., 1], p[..., 2]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        low = _U[0] + (limit - p0) * ((_U[1] - _U[0]) / (p1 - p0))  # inf past a flat segment
+        high = _U[1] + (limit - p1) * ((_U[2] - _U[1]) / (p2 - p1))
+    u = np.where(limit < p1, np.where(p1 > p0, low, 0.0), np.where(p2 > p1, high, np.inf))
+    return np.where(limit < 0, 0.0, -np.expm1(-np.maximum(u, 0.0)))
+
+
 def load_curve(path: Path) -> CapacityCurve:
     try:
         body = json.loads(path.read_text())

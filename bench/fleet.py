@@ -16,13 +16,12 @@ Time advances in ticks. In each tick:
   work. At a steady load that is its drawn E2E; when a removed replica stops receiving requests,
   it serves its queue at the capacity, then the rest at the lowest-load speed (`drain_s`). That
   is what the measured finite runs show: their last answer came about the lowest rate's E2E after
-  the last send, whatever the E2E at the offered rate (benchmarks/history/2026-12-04.md, "The drain modelled"); a new
-  request's prefill, not the batch it joins, slows the others;
+  the last send, whatever the E2E at the offered rate (benchmarks/history/2026-12-04.md, "The
+  drain modelled"); a new request's prefill, not the batch it joins, slows the others;
 * preemptions are counted at the curve's rate, and each TTFT in the runtime's histogram buckets.
 Scrapes, every `Pipeline.scrape_interval_s` from `Pipeline.phase_s`, record each Ready
-replica's gauges as a scrape sees them: varying around the curve's means at its load (waiting a
-geometric count, as a queue's length is; running a Poisson count; KV usage in proportion to
-running) plus its backlog, with its counters (requests received among them).
+replica's gauges and counters (`autoscale_scrapes.py`). The ticks between two events (a scrape,
+a decision, a replica Ready, a minute's end) are served in one go.
 Each mode decides as it does in a cluster (`autoscale_modes.py`): builtin every `spec.interval`
 on the operator's own scrapes, taken as it decides, through `decide_replicas` and, with a
 forecast, `look_ahead`; hpa and keda every HPA sync on Prometheus's scrapes as the chart's
@@ -47,7 +46,8 @@ import numpy as np
 
 from kvpilot.bench.arrival_trace import Trace
 from kvpilot.bench.autoscale_modes import Cluster, Phase, hpa_decision, keda_decision
-from kvpilot.bench.capacity_curve import LATENCIES, CapacityCurve, sample
+from kvpilot.bench.autoscale_scrapes import TTFT_BUCKETS, Scrape, draw_gauges, summarize
+from kvpilot.bench.capacity_curve import LATENCIES, CapacityCurve, sample, share_within
 from kvpilot.operator.autoscale import (
     PodState,
     ScalerState,
@@ -57,15 +57,10 @@ from kvpilot.operator.autoscale import (
 )
 from kvpilot.operator.autoscale.behavior import normalize
 from kvpilot.operator.autoscale.forecast import RateSeries, look_ahead
-from kvpilot.operator.autotune import EngineSettings, Histogram, WindowSummary
+from kvpilot.operator.autotune import WindowSummary
 
-# The runtime's TTFT buckets (runtime/server/metrics.py), so a P99 read from the simulated histograms
-# has the resolution it has in a cluster.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _BOUNDS = np.array(TTFT_BUCKETS)
-_EMPTY = Histogram((math.inf,), (0.0,))
-_SETTINGS = EngineSettings(16, "recompute", 1)
+_TTFT, _E2E = LATENCIES.index("ttft"), LATENCIES.index("e2e")
 
 
 @dataclass(frozen=True)
@@ -132,17 +127,6 @@ class Policy:
     foresight: Foresight | None = None  # set: a reference fleet scaled on the trace's rate, not on metrics
 
 
-@dataclass(frozen=True)
-class _Scrape:
-    time: float
-    waiting: float
-    running: float
-    kv: float
-    preemptions: float  # counter
-    arrivals: float  # counter: requests received
-    ttft: np.ndarray  # counts per bucket (not cumulative), +Inf last; counter
-
-
 @dataclass
 class _Replica:
     slot: int  # its row in the simulation's arrays
@@ -151,7 +135,7 @@ class _Replica:
     running_at: float  # Pending until then
     ready_at: float
     removed_at: float | None = None
-    scrapes: deque[_Scrape] = field(default_factory=deque)
+    scrapes: deque[Scrape] = field(default_factory=deque)
     cost: str | None = None  # the pod-deletion-cost annotation
 
     def phase(self, now: float) -> Phase:
@@ -315,7 +299,7 @@ class _Simulation:
             self.backlog[slots] = backlog
         queued = after > 0  # serving at its capacity, whatever it is offered
         table = self.curve.latencies_at(np.append(calm, cap))  # (ticks + 1, kinds, 3): the last at capacity
-        p50 = table[:, LATENCIES.index("e2e"), 0]
+        p50 = table[:, _E2E, 0]
         speed = np.where(queued, 1 / p50[-1], 1 / p50[:-1, None])
         served = speed * tick
         clock = self.clock[slots] + np.cumsum(served, axis=0) - served  # at each tick's start
@@ -325,48 +309,52 @@ class _Simulation:
             self.preemptions[slots] += np.where(queued, per_s[-1], per_s[:-1, None]).sum(axis=0) * tick
         if arrivals == 0:
             return
-        at = np.repeat(np.arange(ticks), counts)  # each request's tick
-        which = self.rng.integers(0, n, size=arrivals)  # each request to a Ready replica at random
-        self.arrived[slots] += np.bincount(which, minlength=n)
-        u = self.rng.exponential(size=arrivals)
-        row = np.where(queued[at, which], ticks, at)
-        ttft, itl, e2e = sample(table[row].transpose(1, 0, 2), u)
-        wait = ((before + after) / (2 * cap))[at, which]
-        ttft += wait
-        e2e += wait
-        met = ttft <= self.config.slo_ttft_s
-        if self.config.slo_e2e_s is not None:
-            met &= e2e <= self.config.slo_e2e_s
-        num_met = int(met.sum())
+        # requests counted by tick and replica, each going to a Ready replica at random; a cell's
+        # latencies follow its row of the curve (at the capacity while the replica queues) plus
+        # its wait, so what is counted of them comes from the distribution, not from draws
+        split = self.rng.multinomial(counts, np.full(n, 1 / n))  # (ticks, n)
+        self.arrived[slots] += split.sum(axis=0)
+        rows = table[np.where(queued, ticks, np.arange(ticks)[:, None])]  # (ticks, n, kinds, 3)
+        wait = (before + after) / (2 * cap)
+        within = share_within(rows[..., _TTFT, :], self.config.slo_ttft_s - wait)
+        if self.config.slo_e2e_s is not None:  # one draw for every kind: both within is the lesser
+            within = np.minimum(within, share_within(rows[..., _E2E, :], self.config.slo_e2e_s - wait))
+        num_met = int(self.rng.binomial(split, within).sum())
         self.result.num_met += num_met
         minute[1] += num_met
-        buckets = len(TTFT_BUCKETS) + 1
-        index = which * buckets + np.searchsorted(_BOUNDS, ttft, side="left")  # le: v <= bound
-        self.ttft[slots] += np.bincount(index, minlength=n * buckets).reshape(n, buckets)
-        np.maximum.at(self.finish, slots[which], clock[at, which] + e2e * speed[at, which])
+        if self.reads_ttft:
+            below = share_within(rows[..., None, _TTFT, :], _BOUNDS - wait[..., None])  # (ticks, n, bounds)
+            shares = np.diff(below, prepend=0.0, append=1.0, axis=-1)
+            self.ttft[slots] += self.rng.multinomial(split, shares).sum(axis=0)
+        # the last to finish of a cell's requests is the slowest of them: the largest of `split`
+        # exponential draws, -ln(1 - V^(1/split))
+        busy = split > 0
+        slowest = -np.log1p(-self.rng.random(split.shape) ** (1 / np.maximum(split, 1)))
+        e2e = sample(rows[..., _E2E, :], slowest) + wait
+        done = np.where(busy, clock + e2e * speed, -np.inf).max(axis=0)
+        self.finish[slots] = np.maximum(self.finish[slots], done)
         if self.record:
-            for kind, values in zip(LATENCIES, (ttft, itl, e2e), strict=True):
-                self.result.latencies[kind].append(values)
+            self._record(split, rows, wait)
+
+    def _record(self, split: np.ndarray, rows: np.ndarray, wait: np.ndarray) -> None:
+        """Each request's latencies drawn (the self-check compares their percentiles)."""
+        cell = np.repeat(np.arange(split.size), split.ravel())
+        u = self.rng.exponential(size=len(cell))
+        per_request = rows.reshape(split.size, *rows.shape[2:])[cell]  # (requests, kinds, 3)
+        delay = wait.ravel()[cell]
+        for i, kind in enumerate(LATENCIES):
+            self.result.latencies[kind].append(sample(per_request[:, i], u) + (delay if kind != "itl" else 0.0))
 
     def _scrape(self, now: float, rate: float) -> None:
         while self.gone and self.gone[0].removed_at < now - self.keep_s:  # type: ignore[operator]
             self.gone.popleft()
         if not self.ready:
             return
-        cap, slots = self.curve.capacity, self.slots
-        loads = np.array([min(rate / len(self.ready), cap), cap])
-        means = np.array([self.curve.gauge_at(g, loads) if g in self.curve.gauges else np.zeros(2)
-                          for g in ("num_requests_waiting", "num_requests_running", "kv_cache_usage")])
-        backlog = self.backlog[slots]
-        waiting_mean, running_mean, kv_mean = means[:, (backlog > 0).astype(np.int64)]  # each (replicas,)
-        waiting = self.rng.geometric(1 / (1 + waiting_mean)) - 1 + backlog
-        running = self.rng.poisson(running_mean).astype(np.float64)
-        busy = running_mean > 0
-        kv = np.where(busy, np.minimum(1.0, kv_mean * running / np.where(busy, running_mean, 1.0)), kv_mean)
+        waiting, running, kv = draw_gauges(self.curve, self.rng, rate, self.backlog[self.slots])
         for i, r in enumerate(self.ready):
-            r.scrapes.append(_Scrape(now, float(waiting[i]), float(running[i]), float(kv[i]),
-                                     float(self.preemptions[r.slot]), float(self.arrived[r.slot]),
-                                     self.ttft[r.slot].copy()))
+            r.scrapes.append(Scrape(now, float(waiting[i]), float(running[i]), float(kv[i]),
+                                    float(self.preemptions[r.slot]), float(self.arrived[r.slot]),
+                                    self.ttft[r.slot].copy()))
             while r.scrapes[0].time < now - self.keep_s:
                 r.scrapes.popleft()
 
@@ -423,34 +411,7 @@ class _Simulation:
         return n.replicas, n.state
 
     def _summary(self, r: _Replica, now: float, window: float, *, in_range: bool = False) -> WindowSummary | None:
-        """The window the operator's scraper hands a policy: the scrapes in (now - window, now],
-        after the newest one at or before its start (`MetricWindow.summarize`). `in_range`: as
-        Prometheus's avg_over_time reads the gauges instead, every scrape within the range, one
-        being enough."""
-        inside = [s for s in r.scrapes if s.time > now - window]
-        if in_range:
-            base = inside[0] if inside else None
-        else:
-            older = [s for s in r.scrapes if s.time <= now - window]
-            base = older[-1] if older else (inside.pop(0) if inside else None)
-        if base is None or not inside:
-            return None
-        last = inside[-1]
-        dt = last.time - base.time
-        waiting = sum(s.waiting for s in inside) / len(inside)
-        return WindowSummary(
-            pod=r.name, start=base.time, end=last.time, num_samples=len(inside), settings=_SETTINGS,
-            settings_changed=False, num_restarts=0,
-            kv_cache_usage=sum(s.kv for s in inside) / len(inside),
-            num_waiting_seqs=waiting, num_requests_waiting=waiting,  # one sequence a request
-            num_running_seqs=sum(s.running for s in inside) / len(inside),
-            num_swapped_seqs=0.0, mean_context_tokens=None,
-            arrivals_per_s=(last.arrivals - base.arrivals) / dt if dt > 0 else 0.0,
-            preemptions_per_s=(last.preemptions - base.preemptions) / dt if dt > 0 else 0.0,
-            swap_bytes_per_s=0.0, prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0,
-            iteration_time=_EMPTY, itl=_EMPTY, e2e=_EMPTY,
-            ttft=Histogram((*TTFT_BUCKETS, math.inf), tuple(np.cumsum(last.ttft - base.ttft).tolist()))
-            if self.reads_ttft else _EMPTY)
+        return summarize(r.name, r.scrapes, now, window, in_range=in_range, with_ttft=self.reads_ttft)
 
     def _add(self, now: float, *, ready_at: float) -> None:
         slot = len(self.replicas)

@@ -57,7 +57,8 @@ def kv_cache_empty(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     head_major stores it as (num_blocks, num_kv_heads, block_size, head_dim) and returns the
     transposed view: each (block, KV head) is then one contiguous run of block_size * head_dim
     elements instead of block_size rows of head_dim scattered num_kv_heads rows apart. Every op
-    takes either (they use strides); the GPU engine allocates head-major (benchmarks/history/2026-12-03.md, "Kernels").
+    takes either (they use strides); the GPU engine allocates head-major
+    (benchmarks/history/2026-12-03.md, "Kernels").
     """
     if not head_major:
         return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -97,7 +98,8 @@ def paged_attention(
         k = _read(k_cache.index_select(0, decode.table).view(shape)[:, :decode.max_len], k_scale, q.dtype)
         v = _read(v_cache.index_select(0, decode.table).view(shape)[:, :decode.max_len], v_scale, q.dtype)
         # a GQA group's query heads become the query rows of their KV head: no K/V expansion,
-        # quicker than SDPA's enable_gqa here (benchmarks/history/2026-12-03.md, "Engine core on CPU")
+        # quicker than SDPA's enable_gqa here (benchmarks/history/2026-12-03.md, "Engine core
+        # on CPU")
         o = F.scaled_dot_product_attention(
             (q if decode.rows is None else q[decode.rows]).reshape(num_seqs, num_kv_heads, -1, head_dim),
             k.transpose(1, 2), v.transpose(1, 2),  # (B, Hk, L, D)

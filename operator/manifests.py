@@ -28,6 +28,9 @@ SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"
 MANAGED_BY = "kvpilot-operator"
 ENGINE_CONTAINER = "server"  # the pod's `kvpilot serve` container
 CACHE_DIR = "/var/cache/kvpilot"
+# Triton's compiled kernels live in the same volume, so a node-wide one (--engine-cache-host-path)
+# lets a second pod on the node load what the first compiled
+TRITON_CACHE_DIR = f"{CACHE_DIR}/triton"
 ADMIN_TOKEN_KEY = "token"
 # The live config the autotuner tuned the service to, which a pod (re)started later reads at start.
 TUNED_CONFIG_DIR = "/etc/kvpilot/tuned"
@@ -130,6 +133,7 @@ def _env(owner: Owner, spec: InferenceServiceSpec) -> list[Manifest]:
             "name": spec.api_key_secret_ref.name, "key": spec.api_key_secret_ref.key}}})
     env += [
         {"name": "KVPILOT_CACHE", "value": CACHE_DIR},
+        {"name": "TRITON_CACHE_DIR", "value": TRITON_CACHE_DIR},
         {"name": "HOME", "value": "/tmp"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
@@ -147,10 +151,17 @@ def _resources(spec: InferenceServiceSpec) -> Manifest:
     return {"requests": requests, "limits": limits}
 
 
-def _volumes(spec: InferenceServiceSpec, source: ModelSource) -> tuple[list[Manifest], list[Manifest]]:
+def _volumes(spec: InferenceServiceSpec, source: ModelSource,
+             cache_host_path: str | None = None) -> tuple[list[Manifest], list[Manifest]]:
+    """The pod's volumes and the server's mounts. The engine's caches (compiled kernels, converted
+    GGUF files) are the pod's own unless the operator names a node folder for every pod on the node
+    to share (`cache_host_path`: it must be writable by uid 1000; the engine falls back to a private
+    folder, with a warning, where it is not)."""
+    cache: Manifest = ({"hostPath": {"path": cache_host_path, "type": "DirectoryOrCreate"}}
+                       if cache_host_path else {"emptyDir": {}})
     volumes: list[Manifest] = [
         {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
-        {"name": "cache", "emptyDir": {}},
+        {"name": "cache", **cache},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
     ]
     mounts: list[Manifest] = [
@@ -216,8 +227,9 @@ def build_container(owner: Owner, spec: InferenceServiceSpec, source: ModelSourc
     }
 
 
-def build_deployment(owner: Owner, spec: InferenceServiceSpec, source: ModelSource, image: str) -> Manifest:
-    volumes, _ = _volumes(spec, source)
+def build_deployment(owner: Owner, spec: InferenceServiceSpec, source: ModelSource, image: str,
+                     cache_host_path: str | None = None) -> Manifest:
+    volumes, _ = _volumes(spec, source, cache_host_path)
     volumes += _tuned_volume(owner, spec)[0]
     placement = spec.placement
     pod_spec: Manifest = {

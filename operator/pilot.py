@@ -37,6 +37,8 @@ from typing import Any
 
 import aiohttp
 
+from kvpilot.runtime.tunables import LiveConfig
+
 from . import metrics
 from .autoscale.calculator import PodState
 from .autoscale.coordination import Coordination
@@ -46,7 +48,7 @@ from .autoscale.scaling_spec import ScalingSpec
 from .autoscale.startup import PodStartup, pod_startup
 from .autotune.admin import AdminClient
 from .autotune.endpoint import PodEndpoint
-from .autotune.live_config import EngineLimits, LiveConfig
+from .autotune.engine_limits import EngineLimits
 from .autotune.scrape import ScrapeReport, ServiceScraper
 from .autotune.tuning_spec import TuningSpec
 from .engine_args import SERVE_PORT
@@ -241,7 +243,7 @@ class Pilot:
                 logger.info(f"deletion cost of pod {pod} not written: {exc}")
         inputs = ScalingInputs(now, spec, int(self.body.get("spec", {}).get("replicas", 1)), summaries,
                                pods.states, self.coordination, self.settings.dwell_s,
-                               self.scraper.summaries(since=now - spec.interval), pods.startups)
+                               self.scraper.summaries(since=now - self.settings.interval_s), pods.startups)
         step = scale(self.scaling, inputs) if spec.mode == "builtin" else watch_target(self.scaling, inputs)
         if step.scale_to is not None and step.direction is not None:  # an API error keeps the state we had
             await asyncio.to_thread(self.kube.patch, "InferenceService", key.namespace, key.name,

@@ -140,7 +140,8 @@ def _decode_kernel(
     qk_scale, out_scale = score_scales(scale_log2, kv_scales_ptr, KV_FP8)
     if q_end - q_start == 1:
         # the decode case, kept out of any outer loop: nested in the token loop below, the tile
-        # loop compiles to slower code (benchmarks/history/2026-12-03.md, "Kernels": the multi-token loop)
+        # loop compiles to slower code (benchmarks/history/2026-12-03.md, "Kernels": the
+        # multi-token loop)
         _decode_token(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_base, v_base, table, q_start,
                       ctx, split, split_size, qk_scale, out_scale, stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_kb, stride_ks, stride_vb, stride_vs, stride_pt, stride_ph, stride_ps,

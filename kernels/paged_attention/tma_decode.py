@@ -3,10 +3,11 @@ cache block fetched by the Tensor Memory Accelerator, one bulk copy per (block, 
 a head-major cache, in place of the pointer kernel (`pointer_decode.py`).
 
 It is a little faster on the device than the pointer kernel at 16- and 32-token blocks and
-slower at 64 (benchmarks/history/2026-12-03.md, "Kernels"), but every launch has Triton's launcher encode two
-CUtensorMaps on the host, which costs more host time than it saves on the device. Under a CUDA
-graph that host work is paid once, at capture, so the engine's decode graphs take it
-(`launcher.paged_attention(..., prefer_tma=True)`) and eager launches keep the pointer kernel.
+slower at 64 (benchmarks/history/2026-12-03.md, "Kernels"), but every launch has Triton's
+launcher encode two CUtensorMaps on the host, which costs more host time than it saves on the
+device. Under a CUDA graph that host work is paid once, at capture, so the engine's decode graphs
+take it (`launcher.paged_attention(..., prefer_tma=True)`) and eager launches keep the pointer
+kernel.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from kvpilot.kernels.paged_attention.tiles import score_scales, softmax_update
 
 # One config per block size the kernel reads, from `benchmarks/bench_kernels.py --tma-sweep`, each
 # kernel replayed from a CUDA graph with L2 flushed, as the engine's decode graphs run it
-# (benchmarks/history/2026-12-03.md, "Kernels"). One warp with 3-4 stages keeps enough bytes in flight per program; at
-# block 16 ragged batches leave the longest sequences streaming alone at the end, where a program's
+# (benchmarks/history/2026-12-03.md, "Kernels"). One warp with 3-4 stages keeps enough bytes in
+# flight per program; at block 16 ragged batches leave the longest sequences streaming alone at the end, where a program's
 # bytes in flight (stages x one block) set the pace, hence 4 stages there.
 @dataclass(frozen=True)
 class TmaDecodeConfig:
@@ -82,8 +83,8 @@ def _decode_tma_kernel(
     The block ids come CHUNK at a time in one vector load and are picked out of registers, so no
     TMA coordinate waits on a load of the step before it: the pipeliner then streams the boxes
     num_stages deep (with each id loaded a step ahead instead, the reads streamed measurably
-    slower than TMA reads of contiguous KV: benchmarks/history/2026-12-03.md, "Kernels"). The full blocks go by chunks
-    (the last one partial, its ids loaded masked), then the partly filled last block, if any,
+    slower than TMA reads of contiguous KV: benchmarks/history/2026-12-03.md, "Kernels"). The
+    full blocks go by chunks (the last one partial, its ids loaded masked), then the partly filled last block, if any,
     with its keys masked."""
     kvh = tl.program_id(0)
     seq = tl.program_id(1)

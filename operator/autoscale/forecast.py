@@ -5,8 +5,9 @@ Terms:
 * *arrival rate* — requests per second reaching the service. A pod's over a window is the
   requests it finished plus the change in those it holds (running and waiting), which is every
   request it received except those aborted before finishing (`WindowSummary.arrivals_per_s`);
-  the service's is the mean over the ready pods times their number (`service_rate`), since the
-  Service spreads requests evenly and a pod Ready for less than a window has no window yet.
+  the service's is the sum over the ready pods (`service_rate`), known only when each has a
+  window: a pod Ready for less than one has served a share no window shows, and the others' mean
+  is of a load split among fewer pods, so that pass adds no point.
 * *rate series* — one point per pilot pass: the service's arrival rate over the interval since
   the previous pass (`RateSeries`).
 * *horizon* — how far ahead the forecast looks: the service's measured start-up (created to
@@ -14,7 +15,7 @@ Terms:
 * *trend* — the least-squares line through the points of the last `lookback` seconds. It counts
   only when its slope is positive with 99% confidence (a one-sided t-test on the line's
   residuals, each point's variance at least a Poisson count's): the noise of a flat rate passes
-  it on about one pass in a hundred, and a rise the test misses is one the points barely show.
+  it on at most about one pass in a hundred, and a rise it misses is one the points barely show.
 
 How the policy uses it (`policy.decide_replicas`): the metric tells how loaded the pods are
 against their target (its ratio), the arrival rate over the same window how much load that is,
@@ -54,8 +55,8 @@ class RateSeries:
     points: tuple[RatePoint, ...] = ()
 
     def observed(self, time: float, rate: float | None, keep_s: float) -> RateSeries:
-        """With the pass at `time` added (None: no ready pod had a window: nothing to add) and the
-        points older than `keep_s` dropped."""
+        """With the pass at `time` added (None: the rate is not known this pass) and the points
+        older than `keep_s` dropped."""
         kept = tuple(p for p in self.points if p.time > time - keep_s and p.time < time)
         return replace(self, points=kept if rate is None else (*kept, RatePoint(time, rate)))
 
@@ -88,11 +89,11 @@ def forecast(series: RateSeries, now: float, horizon_s: float, lookback_s: float
     rates = [p.rate for p in points]
     if len(set(times)) < 2:
         return None
-    slope, level = linear_regression(times, rates)
-    level = max(level, 0.0)
+    slope, intercept = linear_regression(times, rates)
+    level = max(intercept, 0.0)
     mean_t = fmean(times)
     spread = sum((t - mean_t) ** 2 for t in times)
-    residual = sum((r - (level + slope * t)) ** 2 for t, r in zip(times, rates, strict=True))
+    residual = sum((r - (intercept + slope * t)) ** 2 for t, r in zip(times, rates, strict=True))
     # a point is a count over its interval, so its variance is at least Poisson's: four points
     # that happen to lie on a line do not make a slope certain
     poisson = fmean(rates) / ((times[-1] - times[0]) / (len(times) - 1))
@@ -115,12 +116,12 @@ def look_ahead(series: RateSeries, recent: Mapping[str, WindowSummary], pods: Ma
 
 
 def service_rate(summaries: Mapping[str, WindowSummary], pods: Mapping[str, PodState]) -> float | None:
-    """The service's arrival rate over the summaries' span: the mean of the ready pods' that have
-    a window, times the ready pods; None when none has one."""
-    rates = [s.arrivals_per_s for p, s in summaries.items() if pods.get(p) == "ready"]
-    if not rates:
+    """The service's arrival rate over the summaries' span: the ready pods' summed; None unless
+    every ready pod has a window."""
+    ready = [p for p, state in pods.items() if state == "ready"]
+    if not ready or any(p not in summaries for p in ready):
         return None
-    return fmean(rates) * sum(1 for state in pods.values() if state == "ready")
+    return sum(summaries[p].arrivals_per_s for p in ready)
 
 
 def pod_rate(summaries: Mapping[str, WindowSummary], pods: Mapping[str, PodState]) -> float | None:

@@ -19,6 +19,7 @@ its step loop raises (after sending `CoreDead` with the reason), or when the API
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -84,6 +85,7 @@ class EngineSnapshot(msgspec.Struct, frozen=True, array_like=True):
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = False
     waiting_requests_by_tenant: dict[str, int] = {}  # requests waiting or swapped out, per tenant
+    warming_up: bool = False  # start-up work left for after Ready still runs (engine/warm_up.py)
 
 
 class StepStatsMsg(msgspec.Struct, array_like=True):
@@ -146,6 +148,7 @@ class UtilityResult(msgspec.Struct, tag="result", array_like=True):
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     snapshot: EngineSnapshot
     pid: int
+    startup: list[dict[str, Any]] = []  # the core's start-up phases (runtime/startup.py)
 
 
 class CoreDead(msgspec.Struct, tag="dead", array_like=True):
@@ -240,13 +243,18 @@ def run_core(config: Any, input_addr: str, output_addr: str, max_queue_len: int 
             from kvpilot.runtime.engine.engine import LLMEngine
 
             engine_factory = LLMEngine
+        from kvpilot.runtime.startup import starting_phase
+
+        imports = starting_phase("core_imports", "core")
         engine = engine_factory(config)
         engine.detokenize = False
         # the step hands back its touched `Request`s as they are: the core reads only their new
         # tokens, instead of copying every sample's whole output into a `RequestOutput` each step
         engine.make_output = _as_is
         core = EngineCore(engine, max_queue_len, inbox, lambda msg: outbox.send(encoder.encode(msg)), parent)
-        outbox.send(encoder.encode(Ready(core.snapshot(), os.getpid())))
+        startup = getattr(engine, "startup", None)
+        phases = [imports, *(startup.phases if startup is not None else [])]
+        outbox.send(encoder.encode(Ready(core.snapshot(), os.getpid(), [dataclasses.asdict(p) for p in phases])))
         core.run()
     except BaseException as error:  # noqa: BLE001 - the API process must learn why, then we exit
         logger.exception("the engine core crashed")
@@ -282,10 +290,16 @@ class EngineCore:
         import zmq
 
         engine = self.engine
+        warm_up = getattr(engine, "warm_up", None)  # start-up work left for after Ready (warm_up.py)
         while True:
             idle = not engine.has_unfinished_requests()
-            if idle and not self.inbox.poll(self.POLL_MS):
-                if os.getppid() != self.parent_pid:
+            later = warm_up if warm_up is not None and warm_up.pending else None
+            if idle and not self.inbox.poll(0 if later else self.POLL_MS):
+                if later is not None:
+                    later.run_one(idle=True)
+                    if not later.pending:  # done: the API process learns it now, not at the next request
+                        self.send(CoreOutputs([], self.snapshot()))
+                elif os.getppid() != self.parent_pid:
                     logger.warning("the API process is gone: the engine core exits")
                     return
                 continue
@@ -307,6 +321,8 @@ class EngineCore:
                 continue
             outputs = engine.step()
             stats = engine.last_step
+            if later is not None:
+                later.run_if_due(idle=False)
             if outputs or stats is not None:
                 self.send(CoreOutputs(self._deltas(outputs), self.snapshot(), _stats_msg(stats)))
             else:
@@ -424,6 +440,7 @@ class EngineCore:
             preemption_mode=sched.preemption_mode,
             enable_prefix_caching=cache.enable_prefix_caching,
             waiting_requests_by_tenant=dict(e.scheduler.backlog),
+            warming_up=bool(getattr(getattr(e, "warm_up", None), "pending", False)),
         )
 
 

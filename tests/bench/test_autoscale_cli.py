@@ -131,8 +131,9 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_bad_flags_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
-    for flag, value, message in (("--headroom", "1.5", "must lie in (0, 1]"), ("--slo-goal", "101", "must lie in (0, 100]"),
-                                 ("--tolerance", "1", "must lie in [0, 1)"), ("--forecast-horizon", "soon", "soon"),
+    for flag, value, message in (("--headroom", "1.5", "must be a number in (0, 1]"),
+                                 ("--slo-goal", "101", "must be a number in (0, 100]"),
+                                 ("--tolerance", "1", "must be a number in [0, 1)"), ("--forecast-horizon", "soon", "soon"),
                                  ("--modes", "vpa", "invalid choice")):
         with pytest.raises(SystemExit):
             parse("--capacity-curve", str(EXAMPLE), flag, value)

@@ -14,8 +14,9 @@ import pytest
 
 from kvpilot.bench import fleet
 from kvpilot.bench.arrival_trace import Trace
+from kvpilot.bench.autoscale_scrapes import TTFT_BUCKETS
 from kvpilot.bench.capacity_curve import load_curve, parse_curve
-from kvpilot.bench.fleet import TTFT_BUCKETS, Foresight, Pipeline, Policy, SimConfig, simulate
+from kvpilot.bench.fleet import Foresight, Pipeline, Policy, SimConfig, simulate
 from kvpilot.bench.loadgen import arrival_times
 from kvpilot.bench.self_check import finite_run_throughput, self_check
 from kvpilot.operator.autoscale import ScalingSpec
@@ -243,3 +244,14 @@ def test_a_scaled_down_replica_drains_faster_than_its_load_served(seed: int) -> 
     drain = float(sim.busy_until[removed.slot]) - removed.removed_at
     assert 0 < drain < fleet.e2e_p50(CURVE, 6.0) == pytest.approx(2.478)
     assert result.replica_seconds == pytest.approx(3 * 900 + removed.removed_at + drain)
+
+
+def test_the_requests_counted_within_the_slo_are_those_the_draws_put_within_it() -> None:
+    # one replica near its capacity, and then over it: the fleet counts from the distribution,
+    # the record draws each request; both from the same rows and waits
+    config = dataclasses.replace(CONFIG, slo_ttft_s=0.3)
+    result = simulate(CURVE, step(8.0, 13.0, 300, 600), Policy("one", None, SCRAPES, 1), config,
+                      record_latencies=True)
+    drawn = int((np.concatenate(result.latencies["ttft"]) <= config.slo_ttft_s).sum())
+    assert 0.2 < result.slo_attainment < 0.9
+    assert result.num_met == pytest.approx(drawn, rel=0.05)

@@ -65,11 +65,13 @@ def test_the_series_keeps_the_lookback_and_skips_a_pass_without_a_rate() -> None
     assert s.observed(300.0, None, keep_s=60.0).points == s.points[1:]
 
 
-def test_the_service_rate_is_the_mean_ready_pod_times_the_ready_pods() -> None:
+def test_the_service_rate_is_the_ready_pods_summed_once_each_has_a_window() -> None:
     windows = {"a": summary("a", arrivals_per_s=10.0), "b": summary("b", arrivals_per_s=14.0),
                "gone": summary("gone", arrivals_per_s=99.0)}
-    pods: dict[str, PodState] = {"a": "ready", "b": "ready", "c": "ready", "d": "starting", "gone": "leaving"}
-    assert service_rate(windows, pods) == pytest.approx(36.0)  # c is ready without a window yet
+    pods: dict[str, PodState] = {"a": "ready", "b": "ready", "d": "starting", "gone": "leaving"}
+    assert service_rate(windows, pods) == pytest.approx(24.0)
+    # c just became Ready: what it served is in no window, and a and b's is a split among two
+    assert service_rate(windows, pods | {"c": "ready"}) is None
     assert service_rate({}, pods) is None
 
 

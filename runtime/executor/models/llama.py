@@ -165,7 +165,10 @@ class LlamaForCausalLM(nn.Module):
         # vocabulary-parallel: rank r holds rows [r*V/N, (r+1)*V/N) of the padded vocabulary
         self.vocab_per_rank = -(-cfg.vocab_size // tp.size)
         self.vocab_start = tp.rank * self.vocab_per_rank
-        self.embed_tokens = nn.Embedding(self.vocab_per_rank, cfg.hidden_size)
+        # its weight given, not drawn: an Embedding draws it with `normal_`, which on the meta device
+        # the loader builds on imports torch._dynamo (seconds of start-up for a value never used)
+        self.embed_tokens = nn.Embedding(self.vocab_per_rank, cfg.hidden_size,
+                                         _weight=torch.empty(self.vocab_per_rank, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, method_for, f"model.layers.{i}") for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.vocab_per_rank, bias=False)
