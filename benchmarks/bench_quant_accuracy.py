@@ -15,8 +15,9 @@ Variants, each a checkpoint folder written here from the embedded model's weight
           output channel), activations per token
   fp8-ends  an FP8 checkpoint (compressed-tensors' FP8_DYNAMIC scheme, as llm-compressor writes
           it) with the first and last decoder layers left in bf16 by its ignore list
-  fp8-kv  --kv-cache-dtype fp8 (the bf16 weights; an FP8 KV cache), and fp8+kv both, where the
-          engine has the flag
+  fp8-kv  --kv-cache-dtype fp8 (the bf16 weights; an FP8 KV cache, its scales measured at start),
+          fp8-kv-unit the same with every scale 1.0 (--no-calculate-kv-scales), and fp8+kv both
+          FP8 weights and an FP8 KV cache
 Round-to-nearest has no calibration: real AWQ and GPTQ checkpoints choose their scales (and GPTQ
 its rounding) to lose less than this.
 
@@ -49,8 +50,10 @@ NEW_TOKENS = 64
 FORMATS = {"awq": IntFormat("awq", 4, 64), "gptq": IntFormat("gptq", 4, 64, symmetric=True),
            "gptq8": IntFormat("gptq", 8, 64, symmetric=True)}
 # variants that load the bf16 folder with other engine arguments
-ENGINE_VARIANTS: dict[str, dict[str, str]] = {"fp8": {"quantization": "fp8"}, "fp8-kv": {"kv_cache_dtype": "fp8"},
-                                               "fp8+kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+ENGINE_VARIANTS: dict[str, dict[str, str | bool]] = {
+    "fp8": {"quantization": "fp8"}, "fp8-kv": {"kv_cache_dtype": "fp8"},
+    "fp8-kv-unit": {"kv_cache_dtype": "fp8", "calculate_kv_scales": False},
+    "fp8+kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
 QUESTIONS = [
     "What is the capital of France?", "Explain what a hash table is in two sentences.",
     "Write a haiku about autumn.", "What causes the seasons on Earth?", "Give three tips for writing clear emails.",
@@ -74,7 +77,7 @@ def bf16_folder(src: Path, dst: Path) -> None:
         save_file(tensors, str(dst / file.name), metadata={"format": "pt"})
 
 
-def evaluate(folder: Path, engine_args: dict[str, str] | None = None) -> dict[str, Any]:
+def evaluate(folder: Path, engine_args: dict[str, str | bool] | None = None) -> dict[str, Any]:
     """Per-position log-likelihoods and top-1 tokens along the text, and greedy chat outputs."""
     started = time.perf_counter()
     llm = LLM(str(folder), dtype="float32", max_model_len=2048, **(engine_args or {}))
