@@ -14,7 +14,8 @@ cache is sized and any CUDA graph is captured, and nothing changes them afterwar
    one prefill of `CALIBRATION_TOKENS` token ids drawn at random from the vocabulary (seeded by
    `--seed`, so every start of a model gets the same scales) runs through the model into a
    scratch cache of the model's own dtype; each layer's scale is then the largest |k| (or |v|)
-   it wrote, times `HEADROOM`, over e4m3's 448. The headroom leaves room for activations larger
+   it wrote, times `HEADROOM`, over e4m3's 448 (under tensor parallelism, each rank's over its own
+   heads: each rank's cache is read only with its own scales). The headroom leaves room for activations larger
    than the calibration's before they saturate; it costs nothing in precision above e4m3's
    smallest normal value (2^-6 of the scale), where its relative step is the same everywhere.
 3. **1.0** with `--no-calculate-kv-scales` and no checkpoint scales, as vLLM does: the cache
