@@ -31,6 +31,7 @@ class FakeEngine:
             scheduler=SimpleNamespace(preemption_mode="recompute"),
             model=SimpleNamespace(max_model_len=64), device=SimpleNamespace(device="cpu"))
         self.last_step = None
+        self.vocab_size = 32
         self.num_steps = 0
         self.aborted: list[str] = []
         self._seq_ids = itertools.count()
