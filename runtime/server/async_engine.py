@@ -30,6 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine.core import run_core
 from kvpilot.runtime.engine.messages import (
     AbortRequests,
@@ -116,8 +117,8 @@ class AsyncEngine:
     """`config` is the `EngineConfig` the core builds its engine from; `engine_factory(config)`
     (a picklable callable, default `LLMEngine`) builds it in the core process."""
 
-    def __init__(self, config: Any, tokenizer: Tokenizer | None = None, max_queue_len: int | None = None,
-                 on_step: StepHook | None = None, engine_factory: Callable[[Any], Any] | None = None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None, max_queue_len: int | None = None,
+                 on_step: StepHook | None = None, engine_factory: Callable[[EngineConfig], Any] | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.max_queue_len = max_queue_len
@@ -204,7 +205,7 @@ class AsyncEngine:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
         self._proc = self._ctx = self._input = self._output = self._ipc_dir = None
 
-    async def reload(self, config: Any, tokenizer: Tokenizer | None) -> None:
+    async def reload(self, config: EngineConfig, tokenizer: Tokenizer | None) -> None:
         """Replace the core by one built from `config`, while no request is in flight. The old core
         exits (releasing its memory) before the new one starts; if the new one fails, the old
         configuration is started again and the error is raised."""
@@ -223,7 +224,7 @@ class AsyncEngine:
         finally:
             self._restarting = False
 
-    def _use(self, config: Any, tokenizer: Tokenizer | None) -> None:
+    def _use(self, config: EngineConfig, tokenizer: Tokenizer | None) -> None:
         self.config, self.tokenizer = config, tokenizer
         self._processor = OutputProcessor(tokenizer)
 

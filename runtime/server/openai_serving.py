@@ -180,7 +180,11 @@ class OpenAIServing:
                                param=prompt_field, code="context_length_exceeded")
         ids: list[list[int]] = []
         if texts and tokenizer is not None:
-            ids = await asyncio.get_running_loop().run_in_executor(None, lambda: [tokenizer.encode(t) for t in texts])
+            try:
+                ids = await asyncio.get_running_loop().run_in_executor(None, lambda: [tokenizer.encode(t) for t in texts])
+            except Exception as e:  # noqa: BLE001 - text the tokenizer cannot take (a lone surrogate)
+                raise APIError(400, f"the prompt could not be tokenized: {e}", param=prompt_field,
+                               code="invalid_prompt") from None
         encoded_texts = iter(zip(texts, ids, strict=True))
         return [next(encoded_texts) if isinstance(p, str) else (None, list(p)) for p in prompts]
 

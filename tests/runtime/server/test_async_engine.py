@@ -12,6 +12,7 @@ import pytest
 from fake_engine import TOKENS, FakeEngine
 
 from kvpilot.runtime.engine.engine import RequestError
+from kvpilot.runtime.errors import RequestFailedError
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 
@@ -164,5 +165,18 @@ async def test_a_stream_holds_only_the_latest_output_while_nobody_reads() -> Non
         while engine.num_pending_requests:  # the request runs to its end, nobody reading
             await asyncio.sleep(0.01)
         assert [out.outputs[0].token_ids async for out in stream] == [[10, 11, 12]]
+    finally:
+        await engine.stop()
+
+
+async def test_a_request_the_core_ends_on_an_error_fails_alone() -> None:
+    engine = await _started()
+    try:
+        failing = await engine.add_request("f", [TOKENS["fail"]], SamplingParams())
+        others = [asyncio.ensure_future(_tokens(engine, f"ok{i}", HI)) for i in range(2)]
+        with pytest.raises(RequestFailedError, match="sampling this request failed"):
+            await asyncio.wait_for(failing.get(), timeout=10)
+        assert [seen[-1] for seen in await asyncio.gather(*others)] == [[10, 11, 12]] * 2
+        assert engine.is_alive and engine.num_pending_requests == 0
     finally:
         await engine.stop()
