@@ -22,6 +22,7 @@ from server_harness import RunningServer, start_server
 MODEL = "SmolLM2-135M-Instruct"
 HI = [{"role": "user", "content": "Hi"}]
 BODY_LIMIT = 1 << 20
+MEANWHILE_S = 1.0  # what /health and a one-token chat may take while a hostile request is served
 NESTED_LOOPS = "{% for i in range(5000) %}{% for j in range(5000) %}{% endfor %}{% endfor %}{{ 'x' }}"
 
 
@@ -29,6 +30,9 @@ NESTED_LOOPS = "{% for i in range(5000) %}{% for j in range(5000) %}{% endfor %}
 def server(smol_folder: str) -> Iterator[RunningServer]:
     running = start_server({"max_model_len": 256, "max_num_seqs": 4}, max_queue_len=8,
                            max_request_body_bytes=BODY_LIMIT, header_read_timeout=1.0)
+    # the first requests pay one-time costs (the first prefill, the tokenizer's thread): not timed
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+        assert httpx.post(f"{running.base_url}{path}", json=body, timeout=120).status_code == 200
     yield running
     running.stop()
 
@@ -58,8 +62,8 @@ def _served_meanwhile(server: RunningServer, http: httpx.Client, hostile: Callab
         t1 = time.monotonic()
         chat = _post(http, "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 1})
         t2 = time.monotonic()
-        assert health.status_code == 200 and t1 - t0 < 1.0, (health.text, t1 - t0)
-        assert chat.status_code == 200 and t2 - t1 < 1.0, (chat.text, t2 - t1)
+        assert health.status_code == 200 and t1 - t0 < MEANWHILE_S, (health.text, t1 - t0)
+        assert chat.status_code == 200 and t2 - t1 < MEANWHILE_S, (chat.text, t2 - t1)
         if not thread.is_alive() or time.monotonic() - started > 30:
             break
     thread.join(timeout=60)
