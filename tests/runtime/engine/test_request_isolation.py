@@ -22,7 +22,7 @@ def _seeded() -> SamplingParams:
 def _run_to_end(llm: LLM, bad: Callable[[Request], None]) -> dict[str, RequestOutput]:
     engine = llm.engine
     engine.add_request("good", PROMPT, _seeded())
-    bad(engine.add_request("bad", PROMPT, SamplingParams(temperature=1.0, max_tokens=8, seed=1)))
+    bad(engine.add_request("bad", PROMPT, SamplingParams(temperature=1.0, max_tokens=8, seed=1, ignore_eos=True)))
     finals: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         finals.update((out.request_id, out) for out in engine.step() if out.finished)

@@ -210,7 +210,7 @@ def hostile_bodies(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     return path, body
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+@settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=hostile_bodies())
 def test_random_json_at_every_field_never_gets_a_5xx(server: RunningServer, http: httpx.Client,
