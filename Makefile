@@ -25,8 +25,8 @@ test: install
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check runtime kernels operator tests benchmarks
-	$(BIN)/mypy runtime kernels operator
+	$(BIN)/ruff check runtime kernels operator bench tests benchmarks
+	$(BIN)/mypy runtime kernels operator bench
 
 serve: install
 	$(BIN)/kvpilot serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)

@@ -1,35 +1,20 @@
-"""`kvpilot bench autoscale`: how the autoscaling policies would serve a day of traffic, in a
+"""`kvpilot bench autoscale`: how the autoscaling modes would serve days of traffic, in a
 simulation of the fleet fed by one replica's measured capacity curve.
 
-Compared, on the same arrivals (one seed):
-* `static-peak` — a fixed fleet sized for the trace's peak: peak / the highest per-replica rate
-  at which the curve meets the SLO;
-* `hpa-queue` — an HPA on `vllm:num_requests_waiting` as prometheus-adapter's usual rule serves it:
-  the latest Prometheus scrape (every `--prometheus-interval`), HPA defaults;
-* `builtin-<metric>` — `mode: builtin` on each signal the curve carries, through the operator's
-  own scrapes (every `--scrape-interval`) averaged over the spec's window, HPA behavior defaults;
-* `builtin-kvCacheUsage@0.85` — the serving-engine rule of thumb: add replicas while KV-cache
-  usage stays above 85%.
-Beside them two yardsticks that no cluster can run, scaled on the trace's own rate with the same
-behavior (`fleet.Foresight`):
-* `reactive-bound` — knows the present arrival rate exactly, with no scrape, lag or noise: what
-  the best signal a reactive policy could have would buy. A policy's gap to it at the same cost
-  is its signal's; the bound's own losses are the start-up delay's;
-* `clairvoyant` — knows the rate a start-up delay plus one interval ahead: what prediction could
-  buy at most.
-Targets, unless a policy fixes its own, are each signal's value on the curve at `--headroom` times
-the highest per-replica rate that meets the SLO, so every policy aims at the same load per replica.
-A lower headroom buys slack for what a reactive policy cannot see coming (a burst, a ramp faster
-than a replica starts) with replica-hours; given several, every policy whose target follows from
-it is simulated at each (named `POLICY h0.6`), and the summary shows each policy at its best:
-the cheapest setting with at least `--slo-goal` of requests within the SLO, else the one with the
-highest share.
+Each mode on each signal (`autoscale_plan.py`), at each setting of the grid (`--headroom`,
+`--tolerance`, `--forecast-horizon`), beside a static fleet for the peak and two yardsticks, on
+the days of `--seed` (each a built-in day with its own bursts and arrivals, or `--trace` with its
+own arrivals), their requests and replica-hours pooled. Every fleet of a day is offered the very
+same requests. With `--choose-on`, each family's setting is chosen on those days (the cheapest
+with at least `--slo-goal` of requests within the SLO, else the highest share) and judged on the
+`--seed` days, so a setting is never judged on the day it was picked on.
 
 Before the comparison the simulator checks itself: one simulated replica, offered each rate of
 the curve, must reproduce the curve's P50/P90/P99 TTFT, ITL and E2E (in a long steady run) and its
-throughput (in the same finite run bench serve made, `self_check.py`) within 10%;
-when it does not, the results are still shown and the command exits with 1. Results: a table, and
-with `--output FILE` JSON and a PNG beside it.
+throughput (in the same finite run bench serve made, `self_check.py`) within 10%; when it does
+not, the results are still shown and the command exits with 1. A curve whose runs hold fewer
+than `SUSTAINED_REQUESTS` requests a rate is said to be short. Results: tables, and with
+`--output FILE` JSON and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -38,64 +23,81 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from kvpilot.bench.arrival_trace import DAY_S, Trace, TraceError, day_trace, load_trace
+from kvpilot.bench.autoscale_modes import Cluster
+from kvpilot.bench.autoscale_plan import MODES, SIGNALS, Plan, Settings, plan
 from kvpilot.bench.capacity_curve import CapacityCurve, CurveError, load_curve
-from kvpilot.bench.flags import positive
-from kvpilot.bench.fleet import Foresight, Pipeline, Policy, SimConfig, simulate
+from kvpilot.bench.flags import fraction, percent, positive_float, tolerance
+from kvpilot.bench.fleet import FleetResult, SimConfig, simulate
 from kvpilot.bench.self_check import self_check
-from kvpilot.operator.autoscale import ScalingSpec
-from kvpilot.operator.autoscale.scaling_spec import DEFAULT_TOLERANCE
+from kvpilot.operator.autoscale.scaling_spec import (
+    DEFAULT_INTERVAL_S,
+    DEFAULT_LOOKBACK_S,
+    DEFAULT_WINDOW_S,
+)
 
-ARTICLE_KV_TARGET = 0.85
-_SIGNALS = {"kvCacheUsage": "kv_cache_usage", "waitingPerReplica": "num_requests_waiting",
-            "preemptionRate": "preemptions_per_s", "ttftP99": None}
+SUSTAINED_REQUESTS = 1000  # a rate's run shorter than this is a transient, not a steady state
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("inputs")
     g.add_argument("--capacity-curve", required=True, metavar="FILE", type=Path,
-                   help="one replica's measured curve: kvpilot bench serve --output, or points as the "
-                        "module documents")
+                   help="one replica's measured curve: kvpilot bench serve --output, or points as "
+                        "bench/capacity_curve.py documents")
     g.add_argument("--trace", default=None, metavar="FILE", type=Path,
                    help="arrival rate over time, CSV time_s,rate or JSON (default: a built-in day with bursts)")
-    g.add_argument("--peak-rate", type=positive, default=None, metavar="REQ/S",
+    g.add_argument("--peak-rate", type=positive_float, default=None, metavar="REQ/S",
                    help="built-in trace: the day's peak before bursts (default: 8 replicas' worth at the SLO)")
-    g.add_argument("--duration", type=positive, default=DAY_S, metavar="SECONDS",
+    g.add_argument("--duration", type=positive_float, default=DAY_S, metavar="SECONDS",
                    help="built-in trace: the day squeezed into this long")
     g.add_argument("--bursts", type=int, default=8, help="built-in trace: bursts in the day")
     g.add_argument("--write-trace", default=None, metavar="FILE", type=Path,
-                   help="write the trace simulated as CSV (time_s,rate), which --trace reads back")
-    g = parser.add_argument_group("SLO and targets")
-    g.add_argument("--slo-ttft-ms", type=positive, default=1000.0, help="a request meets the SLO within this TTFT")
-    g.add_argument("--slo-e2e-ms", type=positive, default=None, help="...and, when given, within this E2E")
-    g.add_argument("--headroom", type=_fraction, nargs="+", default=[0.8], metavar="SHARE",
-                   help="targets are the signals' values at this share of the highest rate meeting the SLO; "
-                        "several: each policy at each, and each shown at its best")
-    g.add_argument("--slo-goal", type=_percent, default=99.0, metavar="PERCENT",
-                   help="the share of requests within the SLO a setting must reach to count as its policy's best")
-    g.add_argument("--hpa-target", type=positive, default=None, metavar="WAITING",
-                   help="hpa-queue's target, requests waiting per pod (default: as the builtin's, from the curve)")
-    g.add_argument("--max-replicas", type=int, default=None, help="the policies' maxReplicas (default: 2x static)")
-    g.add_argument("--tolerance", type=_tolerance, default=DEFAULT_TOLERANCE, metavar="SHARE",
-                   help="the policies' tolerance: a ratio to the target within it changes nothing (default: the "
-                        "HPA's 0.1)")
+                   help="write the first day simulated as CSV (time_s,rate), which --trace reads back")
+    g = parser.add_argument_group("SLO")
+    g.add_argument("--slo-ttft-ms", type=positive_float, default=1000.0, help="a request meets the SLO within this TTFT")
+    g.add_argument("--slo-e2e-ms", type=positive_float, default=None, help="...and, when given, within this E2E")
+    g.add_argument("--slo-goal", type=percent, default=99.9, metavar="PERCENT",
+                   help="the share of requests within the SLO a setting must reach to count as its family's best")
+    g = parser.add_argument_group("fleets and settings")
+    g.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the modes simulated")
+    g.add_argument("--signals", nargs="+", choices=list(SIGNALS), default=["kvCacheUsage", "waitingPerReplica"],
+                   help="the signals each mode scales on (hpa and keda: kvCacheUsage and waitingPerReplica)")
+    g.add_argument("--headroom", type=fraction, nargs="+", default=[0.6], metavar="SHARE",
+                   help="targets are the signals' values at this share of the highest rate meeting the SLO")
+    g.add_argument("--tolerance", type=tolerance, nargs="+", default=[0.1], metavar="SHARE",
+                   help="a ratio to the target within it changes nothing (the HPA's default 0.1)")
+    g.add_argument("--forecast-horizon", type=_horizon, nargs="+", default=[None], metavar="SECONDS|auto",
+                   help="builtin's forecast horizon; auto: the start-up delay plus one interval")
+    g.add_argument("--forecast-lookback", type=positive_float, default=DEFAULT_LOOKBACK_S, metavar="SECONDS")
+    g.add_argument("--max-replicas", type=int, default=None, help="maxReplicas (default: 2x the static fleet)")
     g = parser.add_argument_group("cluster")
-    g.add_argument("--startup-delay", type=float, default=120.0, metavar="SECONDS",
-                   help="a new replica's time to Ready (image, model load)")
-    g.add_argument("--scrape-interval", type=positive, default=15.0, metavar="SECONDS",
-                   help="the operator's scrapes of every pod (builtin)")
-    g.add_argument("--prometheus-interval", type=positive, default=30.0, metavar="SECONDS",
-                   help="Prometheus's scrapes, which the HPA reads through prometheus-adapter")
-    g.add_argument("--metrics-lag", type=float, default=5.0, metavar="SECONDS",
-                   help="a scrape's age before a decision can read it")
-    g.add_argument("--request-timeout", type=positive, default=60.0, metavar="SECONDS",
+    g.add_argument("--startup-delay", type=positive_float, default=120.0, metavar="SECONDS",
+                   help="a new replica's creation to Ready: the pod's scheduling and start plus kvpilot's")
+    g.add_argument("--pending", type=float, default=5.0, metavar="SECONDS",
+                   help="the first part of the start-up, Pending (an HPA counts the pod unready, not missing)")
+    g.add_argument("--interval", type=positive_float, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
+                   help="builtin's interval (it scrapes every pod and decides this often)")
+    g.add_argument("--window", type=positive_float, default=DEFAULT_WINDOW_S, metavar="SECONDS",
+                   help="builtin's and keda's window")
+    g.add_argument("--prometheus-interval", type=positive_float, default=Cluster.prometheus_interval_s, metavar="SECONDS",
+                   help="Prometheus's scrapes of the engines (the chart's engineMonitoring.interval)")
+    g.add_argument("--adapter-window", type=positive_float, default=Cluster.adapter_window_s, metavar="SECONDS",
+                   help="prometheus-adapter's range (the chart's prometheusAdapterRules.window)")
+    g.add_argument("--hpa-sync", type=positive_float, default=Cluster.hpa_sync_s, metavar="SECONDS",
+                   help="the HPA controller's sync period")
+    g.add_argument("--request-timeout", type=positive_float, default=60.0, metavar="SECONDS",
                    help="clients give up on a request queued this long")
     g = parser.add_argument_group("simulation")
-    g.add_argument("--tick", type=positive, default=1.0, metavar="SECONDS")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tick", type=positive_float, default=1.0, metavar="SECONDS")
+    g.add_argument("--seed", type=int, nargs="+", default=[0], metavar="N",
+                   help="the days simulated (the built-in day's bursts and every day's arrivals); pooled")
+    g.add_argument("--choose-on", type=int, nargs="+", default=None, metavar="N",
+                   help="days on which each family's setting is chosen, to be judged on the --seed days")
+    g.add_argument("--jobs", type=int, default=1, help="simulations run at once (processes)")
     g.add_argument("--self-check-requests", type=int, default=20_000,
                    help="requests per curve point in the simulator's self-check")
     g.add_argument("--output", default=None, metavar="FILE", help="write JSON here and a PNG beside it")
@@ -105,148 +107,90 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         curve = load_curve(args.capacity_curve)
-        config = SimConfig(tick_s=args.tick, startup_s=args.startup_delay, metrics_lag_s=args.metrics_lag,
+        cluster = Cluster(args.prometheus_interval, min(args.prometheus_interval / 2, 7.0), args.adapter_window,
+                          args.hpa_sync)
+        config = SimConfig(tick_s=args.tick, startup_s=args.startup_delay, pending_s=args.pending,
                            slo_ttft_s=args.slo_ttft_ms / 1000, request_timeout_s=args.request_timeout,
-                           slo_e2e_s=None if args.slo_e2e_ms is None else args.slo_e2e_ms / 1000, seed=args.seed)
+                           slo_e2e_s=None if args.slo_e2e_ms is None else args.slo_e2e_ms / 1000, cluster=cluster)
         slo_rate = curve.highest_rate_within(config.slo_ttft_s, config.slo_e2e_s)
         if slo_rate is None:
             raise ValueError(f"slo: even the curve's lowest rate ({curve.points[0].request_rate:g} req/s) misses "
                              f"P99 TTFT {args.slo_ttft_ms:g} ms; no fleet can meet it")
-        trace = _trace(args, slo_rate)
+        if args.jobs < 1:
+            raise ValueError(f"jobs: must be >= 1, not {args.jobs}")
+        grid = Settings(tuple(sorted(set(args.headroom), reverse=True)), tuple(sorted(set(args.tolerance))),
+                        tuple(dict.fromkeys(args.forecast_horizon)), args.forecast_lookback, args.interval,
+                        args.window, args.max_replicas)
+        days = {seed: _trace(args, slo_rate, seed) for seed in dict.fromkeys([*(args.choose_on or []), *args.seed])}
         if args.write_trace is not None:
-            trace.write_csv(args.write_trace)
-        plan = _plan(args, curve, trace, slo_rate)
+            days[args.seed[0]].write_csv(args.write_trace)
+        plans = {seed: plan(curve, trace, slo_rate, config, args.modes, args.signals, grid)
+                 for seed, trace in days.items()}
         check = self_check(curve, config, args.self_check_requests)
     except (CurveError, TraceError, ValueError, OSError) as e:
         print(f"kvpilot bench autoscale: error: {e}", file=sys.stderr)
         return 2
-    from tqdm import tqdm
-
-    from kvpilot.bench.autoscale_report import best_settings, print_best, print_table, write_outputs
+    from kvpilot.bench.autoscale_report import Pooled, report
 
     print(check.describe())
-    ticks = math.ceil(trace.duration_s / config.tick_s)
-    results = []
-    with tqdm(total=ticks * len(plan.policies), unit="tick", disable=args.disable_tqdm, file=sys.stderr) as bar:
-        for policy in plan.policies:
-            bar.set_description(policy.name)
-            results.append(simulate(curve, trace, policy, config, progress=bar.update))
-    print_table(results, plan.targets, plan.skipped)
-    best = best_settings(results, plan.families, args.slo_goal / 100)
-    if len(args.headroom) > 1:
-        print_best(results, best, args.slo_goal / 100)
-    if args.output:
-        body = {"command": ["kvpilot", *sys.argv[1:]], "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "curve": {"file": str(args.capacity_curve), "description": curve.description,
-                          "capacity": curve.capacity, "slo_rate_per_replica": slo_rate,
-                          "target_rate_per_replica": plan.target_rates},
-                "trace": {"description": trace.description, "duration_s": trace.duration_s, "peak": trace.peak},
-                "config": asdict(config), "prometheus_interval_s": args.prometheus_interval,
-                "scrape_interval_s": args.scrape_interval, "tolerance": args.tolerance, "slo_goal": args.slo_goal / 100,
-                "families": plan.families, "best": best}
-        write_outputs(Path(args.output), body, check, results, plan.targets, plan.skipped)
+    if short := _short_runs(curve):
+        print(short)
+    results = _simulate(curve, days, plans, config, args)
+    judged = Pooled.of(results, plans, args.seed)
+    chosen_on = Pooled.of(results, plans, args.choose_on) if args.choose_on else None
+    body = {"command": ["kvpilot", *sys.argv[1:]], "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "curve": {"file": str(args.capacity_curve), "description": curve.description, "capacity": curve.capacity,
+                      "slo_rate_per_replica": slo_rate, "short_runs": short or None},
+            "days": {str(seed): {"description": t.description, "duration_s": t.duration_s, "peak": t.peak}
+                     for seed, t in days.items()},
+            "config": {"startup_s": config.startup_s, "pending_s": config.pending_s, "slo_ttft_s": config.slo_ttft_s,
+                       "slo_e2e_s": config.slo_e2e_s, "request_timeout_s": config.request_timeout_s,
+                       "interval_s": args.interval, "window_s": args.window, "cluster": asdict(cluster)},
+            "slo_goal": args.slo_goal / 100, "seeds": args.seed, "choose_on": args.choose_on}
+    report(body, check, judged, chosen_on, args.slo_goal / 100, Path(args.output) if args.output else None)
     return 0 if check.passed else 1
 
 
-@dataclass
-class _Plan:
-    policies: list[Policy] = field(default_factory=list)
-    targets: dict[str, str] = field(default_factory=dict)  # policy -> its target, described
-    skipped: dict[str, str] = field(default_factory=dict)  # policy -> why it was not simulated
-    families: dict[str, str] = field(default_factory=dict)  # policy -> the policy it is a setting of
-    target_rates: dict[str, float] = field(default_factory=dict)  # headroom -> requests/s per replica
+def _simulate(curve: CapacityCurve, days: dict[int, Trace], plans: dict[int, Plan], config: SimConfig,
+              args: argparse.Namespace) -> dict[tuple[int, str], FleetResult]:
+    from tqdm import tqdm
 
-    def add(self, family: str, policy: Policy, target: str) -> None:
-        self.policies.append(policy)
-        self.families[policy.name] = family
-        self.targets[policy.name] = target
-
-
-def _plan(args: argparse.Namespace, curve: CapacityCurve, trace: Trace, slo_rate: float) -> _Plan:
-    plan = _Plan()
-    static = max(1, math.ceil(trace.peak / slo_rate))
-    max_replicas = args.max_replicas or 2 * static
-    builtin = Pipeline(args.scrape_interval, "mean")
-    plan.add("static-peak", Policy("static-peak", None, builtin, static),
-             f"{static} replicas ({trace.peak:.1f} req/s / {slo_rate:.2f} per replica)")
-    headrooms = sorted(set(args.headroom), reverse=True)
-    for headroom in headrooms:
-        target_rate = headroom * slo_rate
-        plan.target_rates[f"{headroom:g}"] = target_rate
-        initial = min(max_replicas, max(1, math.ceil(float(trace.rates[0]) / target_rate)))
-        suffix = f" h{headroom:g}" if len(headrooms) > 1 else ""
-        targets = {}
-        for metric, gauge in _SIGNALS.items():
-            if gauge is not None and gauge not in curve.gauges:
-                plan.skipped[f"builtin-{metric}"] = f"the curve carries no {gauge}"
-                continue
-            value = curve.percentiles("ttft", target_rate)[2] if gauge is None else curve.gauge(gauge, target_rate)
-            if value <= 0:
-                plan.skipped[f"builtin-{metric}{suffix}"] = (f"{metric} is 0 on the curve at {target_rate:.2f} req/s "
-                                                             f"per replica: no target to hold")
-                continue
-            targets[metric] = value
-        if args.hpa_target is None or headroom == headrooms[0]:  # a fixed target does not follow the headroom
-            name = "hpa-queue" + (suffix if args.hpa_target is None else "")
-            if args.hpa_target is not None or "waitingPerReplica" in targets:
-                target = args.hpa_target or targets["waitingPerReplica"]
-                spec = ScalingSpec(enabled=True, mode="hpa", metric="waitingPerReplica", target=target,
-                                   max_replicas=max_replicas, tolerance=args.tolerance)
-                plan.add("hpa-queue", Policy(name, spec, Pipeline(args.prometheus_interval, "latest"),
-                                                       initial), f"waiting {target:.3g} per pod")
-            else:
-                plan.skipped[name] = plan.skipped.get(f"builtin-waitingPerReplica{suffix}",
-                                                      plan.skipped.get("builtin-waitingPerReplica", ""))
-        for metric, target in targets.items():
-            _builtin(plan, f"builtin-{metric}", suffix, metric, target, max_replicas, builtin, initial, args.tolerance)
-        # The spec gives the yardsticks the policies' behavior, bounds and interval; its metric is unused.
-        spec = ScalingSpec(enabled=True, max_replicas=max_replicas)
-        for family, seconds in (("reactive-bound", 0.0), ("clairvoyant", args.startup_delay + spec.interval)):
-            plan.add(family, Policy(family + suffix, spec, builtin, initial, Foresight(seconds, target_rate)),
-                     f"the trace's rate{f' {seconds:g} s ahead' if seconds else ''}, {target_rate:.3g} req/s "
-                     f"per replica")
-    if "kv_cache_usage" in curve.gauges:
-        initial = min(max_replicas, max(1, math.ceil(float(trace.rates[0]) / (headrooms[0] * slo_rate))))
-        _builtin(plan, f"builtin-kvCacheUsage@{ARTICLE_KV_TARGET:g}", "", "kvCacheUsage", ARTICLE_KV_TARGET,
-                 max_replicas, builtin, initial, args.tolerance)
-    return plan
+    jobs = [(seed, policy) for seed, p in plans.items() for policy in p.policies]
+    ticks = [math.ceil(days[seed].duration_s / config.tick_s) for seed, _ in jobs]
+    results: dict[tuple[int, str], FleetResult] = {}
+    with tqdm(total=sum(ticks), unit="tick", disable=args.disable_tqdm, file=sys.stderr) as bar:
+        if args.jobs == 1:
+            for (seed, policy), n in zip(jobs, ticks, strict=True):
+                bar.set_description(f"day {seed}: {policy.name}")
+                results[seed, policy.name] = simulate(curve, days[seed], policy, replace(config, seed=seed))
+                bar.update(n)
+            return results
+        with ProcessPoolExecutor(args.jobs) as pool:
+            futures = {pool.submit(simulate, curve, days[seed], policy, replace(config, seed=seed)): (seed, policy, n)
+                       for (seed, policy), n in zip(jobs, ticks, strict=True)}
+            for future in as_completed(futures):
+                seed, policy, n = futures[future]
+                results[seed, policy.name] = future.result()
+                bar.update(n)
+    return results
 
 
-def _builtin(plan: _Plan, family: str, suffix: str, metric: str, target: float, max_replicas: int,
-             pipeline: Pipeline, initial: int, tolerance: float) -> None:
-    spec = ScalingSpec(enabled=True, metric=metric, target=target, max_replicas=max_replicas,  # type: ignore[arg-type]
-                       tolerance=tolerance)
-    plan.add(family, Policy(family + suffix, spec, pipeline, initial), f"{metric} {target:.3g}")
+def _short_runs(curve: CapacityCurve) -> str:
+    counts = [p.num_requests for p in curve.points if p.num_requests is not None]
+    if counts and min(counts) < SUSTAINED_REQUESTS:
+        return (f"note: the curve's runs hold {min(counts)}-{max(counts)} requests a rate, fewer than the "
+                f"{SUSTAINED_REQUESTS:,} of a sustained run: re-measure with kvpilot bench serve --num-prompts "
+                f"{SUSTAINED_REQUESTS}")
+    return ""
 
 
-def _trace(args: argparse.Namespace, slo_rate: float) -> Trace:
+def _trace(args: argparse.Namespace, slo_rate: float, seed: int) -> Trace:
     if args.trace is not None:
         return load_trace(args.trace)
     if args.bursts < 0:
         raise ValueError(f"bursts: must be >= 0, not {args.bursts}")
-    return day_trace(args.peak_rate or 8 * slo_rate, args.duration, bursts=args.bursts, seed=args.seed)
+    return day_trace(args.peak_rate or 8 * slo_rate, args.duration, bursts=args.bursts, seed=seed)
 
 
-def _percent(text: str) -> float:
-    value = positive(text)
-    if value > 100:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 100], not {text!r}")
-    return value
-
-
-def _tolerance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1), not {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = positive(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1], not {text!r}")
-    return value
-
+def _horizon(text: str) -> float | None:
+    return None if text == "auto" else positive_float(text)

@@ -42,7 +42,6 @@ piecewise linear in -ln(1 - q) (an exponential tail between P90 and P99, extende
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
 from dataclasses import dataclass
@@ -85,21 +84,29 @@ class CapacityCurve:
         self.arrivals = arrivals  # bench serve's (seed, burstiness): its runs' arrival times replay
         self.gauges = tuple(g for g in GAUGES if g in points[0].gauges)
         self._rate_list = [p.request_rate for p in points]
+        self._rates = np.array(self._rate_list)
         self._table = {k: np.array([p.latency[k] for p in points]) for k in LATENCIES}  # (points, 3)
         self._all = np.stack([self._table[k] for k in LATENCIES], axis=1)  # (points, LATENCIES, 3)
         self._gauges = {g: np.array([p.gauges[g] for p in points]) for g in self.gauges}
 
     def percentiles(self, kind: str, rate: float) -> np.ndarray:
         """(p50, p90, p99) in seconds at `rate`."""
-        return np.maximum(self._interp(self._table[kind], rate), 0.0)
+        return self.latencies_at(np.array([rate]))[0, LATENCIES.index(kind)]
 
     def latencies(self, rate: float) -> np.ndarray:
         """(LATENCIES, 3): every kind's (p50, p90, p99) at `rate`."""
-        return np.maximum(self._interp(self._all, rate), 0.0)
+        return self.latencies_at(np.array([rate]))[0]
+
+    def latencies_at(self, rates: np.ndarray) -> np.ndarray:
+        """(len(rates), LATENCIES, 3): the same at each of `rates`."""
+        return np.maximum(self._interp(self._all, rates), 0.0)
 
     def gauge(self, name: str, rate: float) -> float:
-        value = float(self._interp(self._gauges[name], rate))
-        return min(max(value, 0.0), 1.0) if name == "kv_cache_usage" else max(value, 0.0)
+        return float(self.gauge_at(name, np.array([rate]))[0])
+
+    def gauge_at(self, name: str, rates: np.ndarray) -> np.ndarray:
+        value = np.maximum(self._interp(self._gauges[name], rates), 0.0)
+        return np.minimum(value, 1.0) if name == "kv_cache_usage" else value
 
     def highest_rate_within(self, ttft_s: float, e2e_s: float | None = None) -> float | None:
         """The highest rate (per replica) up to which P99 TTFT (and P99 E2E) stay within the
@@ -120,24 +127,39 @@ class CapacityCurve:
             low, high = (mid, high) if meets(mid) else (low, mid)
         return low
 
-    def _interp(self, column: np.ndarray, rate: float) -> np.ndarray:
-        """Linear in the rate; held below the first point; the last segment extended past the
-        last point, up to the capacity."""
-        rates = self._rate_list
-        rate = min(max(rate, rates[0]), max(self.capacity, rates[-1]))
-        i = min(max(bisect.bisect_left(rates, rate) - 1, 0), len(rates) - 2)
-        share = (rate - rates[i]) / (rates[i + 1] - rates[i])
+    def _interp(self, column: np.ndarray, rates: np.ndarray) -> np.ndarray:
+        """`column` (points, ...) at each of `rates`: linear in the rate; held below the first
+        point; the last segment extended past the last point, up to the capacity."""
+        known = self._rates
+        x = np.minimum(np.maximum(rates, known[0]), max(self.capacity, known[-1]))
+        i = np.clip(np.searchsorted(known, x, side="left") - 1, 0, len(known) - 2)
+        shape = x.shape + (1,) * (column.ndim - 1)
+        share = ((x - known[i]) / (known[i + 1] - known[i])).reshape(shape)
         value = column[i] + share * (column[i + 1] - column[i])
-        return np.maximum(value, column[-1]) if rate > rates[-1] else value
+        return np.where((x > known[-1]).reshape(shape), np.maximum(value, column[-1]), value)
 
 
 def sample(percentiles: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """Latencies through (p50, p90, p99) for draws u ~ Exp(1) (u = -ln(1 - q)); `percentiles`
-    may stack several kinds, (kinds, 3) -> (kinds, len(u)), all at the same draws."""
-    p = np.asarray(percentiles, dtype=np.float64)[..., None]
-    low = p[..., 0, :] + (u - _U[0]) * ((p[..., 1, :] - p[..., 0, :]) / (_U[1] - _U[0]))
-    high = p[..., 1, :] + (u - _U[1]) * ((p[..., 2, :] - p[..., 1, :]) / (_U[2] - _U[1]))
+    """Latencies through (p50, p90, p99) for draws u ~ Exp(1) (u = -ln(1 - q)): `percentiles`
+    is (..., 3), its leading shape broadcast against u's, e.g. (3,) for every draw alike or
+    (kinds, len(u), 3) for each draw its own, several kinds at the same draws."""
+    p = np.asarray(percentiles, dtype=np.float64)
+    low = p[..., 0] + (u - _U[0]) * ((p[..., 1] - p[..., 0]) / (_U[1] - _U[0]))
+    high = p[..., 1] + (u - _U[1]) * ((p[..., 2] - p[..., 1]) / (_U[2] - _U[1]))
     return np.maximum(np.where(u < _U[1], low, high), 0.0)
+
+
+def share_within(percentiles: np.ndarray, limit: np.ndarray) -> np.ndarray:
+    """The share of `sample`'s draws at most `limit` (P(latency <= limit)), `percentiles` (..., 3)
+    broadcast against `limit`: `sample` inverted, the draw u whose latency is the limit, as
+    1 - exp(-u)."""
+    p = np.asarray(percentiles, dtype=np.float64)
+    p0, p1, p2 = p[..., 0], p[..., 1], p[..., 2]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        low = _U[0] + (limit - p0) * ((_U[1] - _U[0]) / (p1 - p0))  # inf past a flat segment
+        high = _U[1] + (limit - p1) * ((_U[2] - _U[1]) / (p2 - p1))
+    u = np.where(limit < p1, np.where(p1 > p0, low, 0.0), np.where(p2 > p1, high, np.inf))
+    return np.where(limit < 0, 0.0, -np.expm1(-np.maximum(u, 0.0)))
 
 
 def load_curve(path: Path) -> CapacityCurve:

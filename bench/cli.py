@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("kvpilot.bench.throughput", "Offline throughput of LLM.generate on a model or preset."),
     "autoscale": ("kvpilot.bench.autoscale", "Simulate autoscaling policies on a measured capacity curve."),
     "autotune": ("kvpilot.bench.autotune", "Static engine configs against the live autotuner on a phased workload."),
+    "startup": ("kvpilot.bench.startup", "kvpilot serve from process start to /ready, phase by phase, page cache warm and cold."),
 }
 
 

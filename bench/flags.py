@@ -1,45 +1,32 @@
-"""argparse types the benchmarks share: bad values fail with one line naming the flag."""
+"""argparse types the benchmarks share: bad values fail with one line naming the flag. The number
+types are the runtime's own (`kvpilot.runtime.arg_types`), so `kvpilot bench` and `kvpilot serve`
+hold a value to the same rule and say so in the same words."""
 
 from __future__ import annotations
 
 import argparse
 import math
 
+from kvpilot.runtime.arg_types import (
+    checked,
+    fraction,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+
+__all__ = ["fraction", "non_negative_int", "percent", "positive_float", "positive_int", "rate", "tolerance",
+           "tokenizer_folder"]
+
+percent = checked(float, lambda v: 0 < v <= 100, "a number in (0, 100]")
+tolerance = checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+
 
 def rate(text: str) -> float:
+    """A request rate: a positive number, or "inf" (every request at once)."""
     if text.strip().lower() == "inf":
         return math.inf
-    return positive(text)
-
-
-def positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, not {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, not {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, not {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, not {text!r}")
-    return value
+    return float(positive_float(text))
 
 
 def tokenizer_folder(text: str) -> str:

@@ -16,21 +16,23 @@ Time advances in ticks. In each tick:
   work. At a steady load that is its drawn E2E; when a removed replica stops receiving requests,
   it serves its queue at the capacity, then the rest at the lowest-load speed (`drain_s`). That
   is what the measured finite runs show: their last answer came about the lowest rate's E2E after
-  the last send, whatever the E2E at the offered rate (benchmarks/history/2026-12-04.md, "The drain modelled"); a new
-  request's prefill, not the batch it joins, slows the others;
+  the last send, whatever the E2E at the offered rate (benchmarks/history/2026-12-04.md, "The
+  drain modelled"); a new request's prefill, not the batch it joins, slows the others;
 * preemptions are counted at the curve's rate, and each TTFT in the runtime's histogram buckets.
-Scrapes, every `Pipeline.scrape_interval_s`, record each Ready replica's gauges as a scrape sees
-them: varying around the curve's means at its load (waiting a geometric count, as a queue's
-length is; running a Poisson count; KV usage in proportion to running) plus its backlog, with its
-counters.
-Every `spec.interval` the policy reads the scrapes at least `metrics_lag_s` old through the
-operator's own `decide_replicas`, on `WindowSummary`s built from them (a reference fleet with
-`Foresight` reads the trace's rate instead), and the fleet follows at once: a new replica is
-Ready `startup_s` later; a removed one leaves the load balancer at once
-and drains, costing until its last request finishes (`drain_s`). Only the drain moves a finish:
-a request's E2E in the results (and the E2E SLO) is its draw at its arrival's load. The replica
-removed is a starting one first (the ReplicaSet's order), then the one of lowest
-pod-deletion-cost (the operator's `deletion_costs` on the same windows), then the newest.
+Scrapes, every `Pipeline.scrape_interval_s` from `Pipeline.phase_s`, record each Ready
+replica's gauges and counters (`autoscale_scrapes.py`). The ticks between two events (a scrape,
+a decision, a replica Ready, a minute's end) are served in one go.
+Each mode decides as it does in a cluster (`autoscale_modes.py`): builtin every `spec.interval`
+on the operator's own scrapes, taken as it decides, through `decide_replicas` and, with a
+forecast, `look_ahead`; hpa and keda every HPA sync on Prometheus's scrapes as the chart's
+adapter rules and the ScaledObject's query read them. A reference fleet with `Foresight` reads
+the trace's rate instead. The fleet follows at once: a new replica is Pending for `pending_s`,
+then loads the model (Running, not Ready, never scraped) until `startup_s`; a removed one
+leaves the load balancer at once and drains, costing until its last request finishes
+(`drain_s`). Only the drain moves a finish: a request's E2E in the results (and the E2E SLO) is
+its draw at its arrival's load. The replica removed is a starting one first (the ReplicaSet's
+order), then the one of lowest pod-deletion-cost (the operator's `deletion_costs`), then the
+newest.
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
 from kvpilot.bench.arrival_trace import Trace
-from kvpilot.bench.capacity_curve import LATENCIES, CapacityCurve, sample
+from kvpilot.bench.autoscale_modes import Cluster, Phase, hpa_decision, keda_decision
+from kvpilot.bench.autoscale_scrapes import TTFT_BUCKETS, Scrape, draw_gauges, summarize
+from kvpilot.bench.capacity_curve import LATENCIES, CapacityCurve, sample, share_within
 from kvpilot.operator.autoscale import (
     PodState,
     ScalerState,
@@ -53,44 +56,47 @@ from kvpilot.operator.autoscale import (
     deletion_costs,
 )
 from kvpilot.operator.autoscale.behavior import normalize
-from kvpilot.operator.autotune import EngineSettings, Histogram, WindowSummary
+from kvpilot.operator.autoscale.forecast import RateSeries, look_ahead
+from kvpilot.operator.autotune import WindowSummary
 
-# The runtime's TTFT buckets (runtime/server/metrics.py), so a P99 read from the simulated histograms
-# has the resolution it has in a cluster.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _BOUNDS = np.array(TTFT_BUCKETS)
-_EMPTY = Histogram((math.inf,), (0.0,))
-_SETTINGS = EngineSettings(16, "recompute", 1)
+_TTFT, _E2E = LATENCIES.index("ttft"), LATENCIES.index("e2e")
 
 
 @dataclass(frozen=True)
 class SimConfig:
     tick_s: float = 1.0
-    startup_s: float = 120.0  # created to Ready: scheduling, image, model load
-    metrics_lag_s: float = 5.0  # a scrape's age before a decision can read it
+    startup_s: float = 120.0  # created to Ready: scheduling, container start, model load, probes
+    pending_s: float = 5.0  # the first part of it, Pending: scheduled, sandbox and container started
     slo_ttft_s: float = 1.0  # a request meets the SLO with TTFT within this...
     slo_e2e_s: float | None = None  # ...and, when set, E2E within this
     request_timeout_s: float = 60.0  # clients give up on a request queued this long
+    cluster: Cluster = Cluster()  # how modes hpa and keda see the pods
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("tick_s", "slo_ttft_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, not {getattr(self, name)}")
-        for name in ("startup_s", "metrics_lag_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, not {getattr(self, name)}")
+        if self.startup_s < 0:
+            raise ValueError(f"startup_s: must be >= 0, not {self.startup_s}")
+        if not 0 <= self.pending_s <= self.startup_s:
+            raise ValueError(f"pending_s: must lie in [0, startup_s = {self.startup_s:g}], not {self.pending_s}")
         if self.slo_e2e_s is not None and self.slo_e2e_s <= 0:
             raise ValueError(f"slo_e2e_s: must be positive, not {self.slo_e2e_s}")
 
 
 @dataclass(frozen=True)
 class Pipeline:
-    """How a policy sees the pods."""
+    """When a policy's pods are scraped: every `scrape_interval_s` from `phase_s`."""
 
     scrape_interval_s: float
-    gauges: Literal["mean", "latest"]  # means over the window, or the latest scrape only
+    phase_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.scrape_interval_s <= 0 or self.phase_s < 0:
+            raise ValueError(f"scrape_interval_s must be positive and phase_s >= 0, not {self.scrape_interval_s} "
+                             f"and {self.phase_s}")
 
 
 @dataclass(frozen=True)
@@ -121,30 +127,27 @@ class Policy:
     foresight: Foresight | None = None  # set: a reference fleet scaled on the trace's rate, not on metrics
 
 
-@dataclass(frozen=True)
-class _Scrape:
-    time: float
-    waiting: float
-    running: float
-    kv: float
-    preemptions: float  # counter
-    ttft: np.ndarray  # counts per bucket (not cumulative), +Inf last; counter
-
-
 @dataclass
 class _Replica:
     slot: int  # its row in the simulation's arrays
     name: str
     created: float
+    running_at: float  # Pending until then
     ready_at: float
     removed_at: float | None = None
-    scrapes: deque[_Scrape] = field(default_factory=deque)
+    scrapes: deque[Scrape] = field(default_factory=deque)
     cost: str | None = None  # the pod-deletion-cost annotation
 
-    def state(self, now: float) -> PodState:
+    def phase(self, now: float) -> Phase:
         if self.removed_at is not None:
             return "leaving"
-        return "ready" if self.ready_at <= now else "starting"
+        if self.ready_at <= now:
+            return "ready"
+        return "loading" if self.running_at <= now else "pending"
+
+    def state(self, now: float) -> PodState:
+        phase = self.phase(now)
+        return "starting" if phase in ("pending", "loading") else phase
 
 
 @dataclass
@@ -207,15 +210,22 @@ class _Simulation:
         self.result = FleetResult(policy.name)
         self.rates = trace.tick_rates(config.tick_s)
         self.replicas: list[_Replica] = []
+        self.gone: deque[_Replica] = deque()  # removed, while their scrapes may still be in a query's range
         self.state = ScalerState()
+        self.series = RateSeries()  # builtin's arrival rate, one point a decision
         self.backlog = np.zeros(0)  # requests beyond the capacity, waiting
         self.preemptions = np.zeros(0)
+        self.arrived = np.zeros(0)
         self.clock = np.zeros(0)  # work served, in E2E P50s at the load of the moment
         self.finish = np.zeros(0)  # the clock's reading when the last request sent to it is done
         self.busy_until = np.zeros(0)  # a removed replica's: when its last request is done
         self.ttft = np.zeros((0, len(TTFT_BUCKETS) + 1))
-        self.keep_s = ((policy.spec.window if policy.spec else 0) + config.metrics_lag_s
-                       + 2 * policy.pipeline.scrape_interval_s)
+        spec = policy.spec
+        self.decide_every = math.inf if spec is None else (
+            spec.interval if spec.mode == "builtin" else config.cluster.hpa_sync_s)
+        window = 0.0 if spec is None else max(spec.window, config.cluster.adapter_window_s)
+        self.keep_s = window + 2 * max(policy.pipeline.scrape_interval_s, self.decide_every if spec else 0.0)
+        self.reads_ttft = spec is not None and spec.metric == "ttftP99"  # else no summary carries a histogram
         self.ready: list[_Replica] = []
         self.slots = np.zeros(0, dtype=np.int64)
         self.next_ready = math.inf
@@ -225,118 +235,155 @@ class _Simulation:
     def run(self) -> FleetResult:
         tick, rates = self.config.tick_s, self.rates
         spec, pipeline = self.policy.spec, self.policy.pipeline
-        next_scrape, next_decision = 0.0, (spec.interval if spec else math.inf)
+        next_scrape, next_decision = pipeline.phase_s, self.decide_every
+        per_minute = max(1, round(60 / tick))
         self._refresh_ready(0.0)
         minute = [0.0, 0.0, 0.0]  # arrivals, met, sum of rates
-        for k, rate in enumerate(rates.tolist()):
+        k, total = 0, len(rates)
+        while k < total:
             now = k * tick
             if now >= self.next_ready:
                 self._refresh_ready(now)
-            self._serve(now, rate, minute)
+            # ticks up to the next event are served in one go: the Ready replicas stay as they are
+            last = min(total, (k // per_minute + 1) * per_minute) - 1
+            for when in (next_scrape, next_decision, self.next_ready - tick):
+                if when < last * tick:
+                    last = max(k, math.ceil(round(when / tick, 9)))
+            self._serve(k, last + 1, minute)
+            now = last * tick
             if now >= next_scrape:
-                self._scrape(now, rate)
+                self._scrape(now, float(rates[last]))
                 next_scrape += pipeline.scrape_interval_s
             if spec is not None and now >= next_decision:
                 self._decide(now, spec)
-                next_decision += spec.interval
-            if (k + 1) * tick % 60 < tick:
+                next_decision += self.decide_every
+            if (last + 1) % per_minute == 0:
                 self._record_minute(now, minute)
-            if self.progress is not None and (k + 1) % 3600 == 0:
+            if self.progress is not None and (last + 1) // 3600 > k // 3600:
                 self.progress(3600)
+            k = last + 1
         if self.progress is not None:
-            self.progress(len(rates) % 3600)
-        end = len(rates) * tick
+            self.progress(total % 3600)
+        end = total * tick
         self.result.duration_s = end
         self.result.replica_seconds = sum(
             min(end, float(self.busy_until[r.slot]) if r.removed_at is not None else end) - r.created
             for r in self.replicas)
         return self.result
 
-    def _serve(self, now: float, rate: float, minute: list[float]) -> None:
+    def _serve(self, first: int, end: int, minute: list[float]) -> None:
+        """Ticks [first, end), with the same Ready replicas throughout."""
         tick, cap = self.config.tick_s, self.curve.capacity
-        arrivals = int(self.arrivals.poisson(rate * tick))
+        rates = self.rates[first:end]
+        counts = self.arrivals.poisson(rates * tick)
+        arrivals = int(counts.sum())
         self.result.num_requests += arrivals
         minute[0] += arrivals
-        minute[2] += rate
+        minute[2] += float(rates.sum())
         n = len(self.slots)
         if n == 0:
             self.result.num_failed += arrivals
             return
-        offered = rate / n
-        slots = self.slots
-        before = self.backlog[slots]
-        # clients give up on a request that would wait past the timeout: the queue holds no more
-        after = np.clip(before + (offered - cap) * tick, 0.0, cap * self.config.request_timeout_s)
-        self.backlog[slots] = after
+        slots, ticks = self.slots, len(rates)
+        offered = rates / n
+        calm = np.minimum(offered, cap)
+        # each tick's backlog, (ticks, n): clients give up on a request that would wait past the
+        # timeout, so no queue holds more than that
+        limit, backlog = cap * self.config.request_timeout_s, self.backlog[slots]
+        before, after = np.zeros((ticks, n)), np.zeros((ticks, n))
+        if backlog.any() or offered.max() > cap:
+            for i, step in enumerate(((offered - cap) * tick).tolist()):
+                before[i] = backlog
+                backlog = np.clip(backlog + step, 0.0, limit)
+                after[i] = backlog
+            self.backlog[slots] = backlog
         queued = after > 0  # serving at its capacity, whatever it is offered
-        speeds = [1 / e2e_p50(self.curve, load) for load in (min(offered, cap), cap)]
-        speed = np.where(queued, speeds[1], speeds[0])
-        clock = self.clock[slots]
-        self.clock[slots] = clock + speed * tick
+        table = self.curve.latencies_at(np.append(calm, cap))  # (ticks + 1, kinds, 3): the last at capacity
+        p50 = table[:, _E2E, 0]
+        speed = np.where(queued, 1 / p50[-1], 1 / p50[:-1, None])
+        served = speed * tick
+        clock = self.clock[slots] + np.cumsum(served, axis=0) - served  # at each tick's start
+        self.clock[slots] += served.sum(axis=0)
         if "preemptions_per_s" in self.curve.gauges:
-            rates = [self.curve.gauge("preemptions_per_s", load) for load in (min(offered, cap), cap)]
-            self.preemptions[slots] += np.where(queued, rates[1], rates[0]) * tick
+            per_s = self.curve.gauge_at("preemptions_per_s", np.append(calm, cap))
+            self.preemptions[slots] += np.where(queued, per_s[-1], per_s[:-1, None]).sum(axis=0) * tick
         if arrivals == 0:
             return
-        which = self.rng.integers(0, n, size=arrivals)  # each request to a Ready replica at random
-        u = self.rng.exponential(size=arrivals)
-        ttft, itl, e2e = sample(self.curve.latencies(min(offered, cap)), u)
-        if queued.any():
-            at_capacity = sample(self.curve.latencies(cap), u)
-            mask = queued[which]
-            ttft, itl, e2e = (np.where(mask, full, calm) for full, calm in zip(at_capacity, (ttft, itl, e2e),
-                                                                                strict=True))
-        wait = ((before + after) / (2 * cap))[which]
-        ttft += wait
-        e2e += wait
-        met = ttft <= self.config.slo_ttft_s
-        if self.config.slo_e2e_s is not None:
-            met &= e2e <= self.config.slo_e2e_s
-        num_met = int(met.sum())
+        # requests counted by tick and replica, each going to a Ready replica at random; a cell's
+        # latencies follow its row of the curve (at the capacity while the replica queues) plus
+        # its wait, so what is counted of them comes from the distribution, not from draws
+        split = self.rng.multinomial(counts, np.full(n, 1 / n))  # (ticks, n)
+        self.arrived[slots] += split.sum(axis=0)
+        rows = table[np.where(queued, ticks, np.arange(ticks)[:, None])]  # (ticks, n, kinds, 3)
+        wait = (before + after) / (2 * cap)
+        within = share_within(rows[..., _TTFT, :], self.config.slo_ttft_s - wait)
+        if self.config.slo_e2e_s is not None:  # one draw for every kind: both within is the lesser
+            within = np.minimum(within, share_within(rows[..., _E2E, :], self.config.slo_e2e_s - wait))
+        num_met = int(self.rng.binomial(split, within).sum())
         self.result.num_met += num_met
         minute[1] += num_met
-        target = slots[which]
-        np.add.at(self.ttft, (target, np.searchsorted(_BOUNDS, ttft, side="left")), 1)  # le: v <= bound
-        np.maximum.at(self.finish, target, clock[which] + e2e * speed[which])
+        if self.reads_ttft:
+            below = share_within(rows[..., None, _TTFT, :], _BOUNDS - wait[..., None])  # (ticks, n, bounds)
+            shares = np.diff(below, prepend=0.0, append=1.0, axis=-1)
+            self.ttft[slots] += self.rng.multinomial(split, shares).sum(axis=0)
+        # the last to finish of a cell's requests is the slowest of them: the largest of `split`
+        # exponential draws, -ln(1 - V^(1/split))
+        busy = split > 0
+        slowest = -np.log1p(-self.rng.random(split.shape) ** (1 / np.maximum(split, 1)))
+        e2e = sample(rows[..., _E2E, :], slowest) + wait
+        done = np.where(busy, clock + e2e * speed, -np.inf).max(axis=0)
+        self.finish[slots] = np.maximum(self.finish[slots], done)
         if self.record:
-            for kind, values in zip(LATENCIES, (ttft, itl, e2e), strict=True):
-                self.result.latencies[kind].append(values)
+            self._record(split, rows, wait)
+
+    def _record(self, split: np.ndarray, rows: np.ndarray, wait: np.ndarray) -> None:
+        """Each request's latencies drawn (the self-check compares their percentiles)."""
+        cell = np.repeat(np.arange(split.size), split.ravel())
+        u = self.rng.exponential(size=len(cell))
+        per_request = rows.reshape(split.size, *rows.shape[2:])[cell]  # (requests, kinds, 3)
+        delay = wait.ravel()[cell]
+        for i, kind in enumerate(LATENCIES):
+            self.result.latencies[kind].append(sample(per_request[:, i], u) + (delay if kind != "itl" else 0.0))
 
     def _scrape(self, now: float, rate: float) -> None:
+        while self.gone and self.gone[0].removed_at < now - self.keep_s:  # type: ignore[operator]
+            self.gone.popleft()
         if not self.ready:
             return
-        cap, gauges = self.curve.capacity, self.curve.gauges
-        calm = min(rate / len(self.ready), cap)
-        means = {load: [self.curve.gauge(g, load) if g in gauges else 0.0
-                        for g in ("num_requests_waiting", "num_requests_running", "kv_cache_usage")]
-                 for load in (calm, cap)}
-        for r in self.ready:
-            backlog = float(self.backlog[r.slot])
-            waiting_mean, running_mean, kv_mean = means[cap if backlog > 0 else calm]
-            waiting = float(self.rng.geometric(1 / (1 + waiting_mean)) - 1) + backlog
-            running = float(self.rng.poisson(running_mean)) if running_mean > 0 else 0.0
-            kv = min(1.0, kv_mean * running / running_mean) if running_mean > 0 else kv_mean
-            r.scrapes.append(_Scrape(now, waiting, running, kv, float(self.preemptions[r.slot]),
-                                     self.ttft[r.slot].copy()))
+        waiting, running, kv = draw_gauges(self.curve, self.rng, rate, self.backlog[self.slots])
+        for i, r in enumerate(self.ready):
+            r.scrapes.append(Scrape(now, float(waiting[i]), float(running[i]), float(kv[i]),
+                                    float(self.preemptions[r.slot]), float(self.arrived[r.slot]),
+                                    self.ttft[r.slot].copy()))
             while r.scrapes[0].time < now - self.keep_s:
                 r.scrapes.popleft()
 
     def _decide(self, now: float, spec: ScalingSpec) -> None:
-        seen = now - self.config.metrics_lag_s
-        summaries = {r.name: s for r in self.ready if (s := self._summary(r, seen, spec.window)) is not None}
         alive = [r for r in self.replicas if r.removed_at is None]
-        costs = deletion_costs(summaries, {r.name: r.cost for r in alive})
+        # the operator keeps deletion costs in every mode, from its own windows
+        window = {r.name: s for r in self.ready if (s := self._summary(r, now, spec.window)) is not None}
+        costs = deletion_costs(window, {r.name: r.cost for r in alive})
         for r in alive:
             if r.name in costs:
                 r.cost = str(costs[r.name])
         current = len(alive)
-        if self.policy.foresight is None:
-            decision = decide_replicas(summaries, {r.name: r.state(now) for r in alive}, current, spec,
-                                       self.state, now=now)
-            desired, state, scaled_state = decision.desired, decision.state, decision.scaled_state
-        else:
+        states = {r.name: r.state(now) for r in alive}
+        if self.policy.foresight is not None:
             desired, state = self._foresee(now, spec, current, self.policy.foresight)
             scaled_state = state.scaled(now, current, desired, spec.behavior)
+        elif spec.mode == "builtin":
+            recent = {r.name: s for r in self.ready if (s := self._summary(r, now, spec.interval)) is not None}
+            self.series, forecast = look_ahead(self.series, recent, states, now, spec, self.config.startup_s)
+            d = decide_replicas(window, states, current, spec, self.state, now=now, forecast=forecast)
+            desired, state, scaled_state = d.desired, d.state, d.scaled_state
+        elif spec.mode == "hpa":
+            adapter = {r.name: s for r in self.ready
+                       if (s := self._summary(r, now, self.config.cluster.adapter_window_s, in_range=True))}
+            phases = {r.name: r.phase(now) for r in alive}
+            desired, state, scaled_state = hpa_decision(adapter, phases, current, spec, self.state, now)
+        else:
+            means = [s for r in [*alive, *self.gone] if (s := self._summary(r, now, spec.window, in_range=True))]
+            desired, state, scaled_state = keda_decision(means, current, spec, self.state, now)
         if desired == current:
             self.state = state
             return
@@ -349,6 +396,7 @@ class _Simulation:
             order = sorted(alive, key=lambda r: (r.state(now) == "ready", int(r.cost or 0), -r.created))
             for r in order[:current - desired]:
                 r.removed_at = now
+                self.gone.append(r)
                 work = max(0.0, float(self.finish[r.slot] - self.clock[r.slot]))
                 self.busy_until[r.slot] = now + drain_s(self.curve, work, float(self.backlog[r.slot]))
         self._refresh_ready(now)
@@ -362,28 +410,8 @@ class _Simulation:
         n = normalize(estimate, current, spec.min_replicas, spec.max_replicas, spec.behavior, self.state, now)
         return n.replicas, n.state
 
-    def _summary(self, r: _Replica, seen: float, window: float) -> WindowSummary | None:
-        """The window the operator's scraper would hand the policy: the scrapes in
-        (seen - window, seen], after the newest one at or before its start."""
-        visible = [s for s in r.scrapes if s.time <= seen]
-        older = [i for i, s in enumerate(visible) if s.time <= seen - window]
-        span = visible[older[-1]:] if older else visible
-        if len(span) < 2:
-            return None
-        base, after = span[0], span[1:]
-        last = after[-1]
-        gauges = [last] if self.policy.pipeline.gauges == "latest" else after
-        return WindowSummary(
-            pod=r.name, start=base.time, end=last.time, num_samples=len(after), settings=_SETTINGS,
-            settings_changed=False, num_restarts=0,
-            kv_cache_usage=sum(s.kv for s in gauges) / len(gauges),
-            num_waiting_seqs=sum(s.waiting for s in gauges) / len(gauges),
-            num_running_seqs=sum(s.running for s in gauges) / len(gauges),
-            num_swapped_seqs=0.0, mean_context_tokens=None,
-            preemptions_per_s=(last.preemptions - base.preemptions) / (last.time - base.time),
-            swap_bytes_per_s=0.0, prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0,
-            iteration_time=_EMPTY, itl=_EMPTY, e2e=_EMPTY,
-            ttft=Histogram((*TTFT_BUCKETS, math.inf), tuple(np.cumsum(last.ttft - base.ttft).tolist())))
+    def _summary(self, r: _Replica, now: float, window: float, *, in_range: bool = False) -> WindowSummary | None:
+        return summarize(r.name, r.scrapes, now, window, in_range=in_range, with_ttft=self.reads_ttft)
 
     def _add(self, now: float, *, ready_at: float) -> None:
         slot = len(self.replicas)
@@ -391,14 +419,16 @@ class _Simulation:
             size = max(8, 2 * slot)
             self.backlog = np.resize(self.backlog, size)
             self.preemptions = np.resize(self.preemptions, size)
+            self.arrived = np.resize(self.arrived, size)
             self.busy_until = np.resize(self.busy_until, size)
             self.clock = np.resize(self.clock, size)
             self.finish = np.resize(self.finish, size)
             self.ttft = np.resize(self.ttft, (size, self.ttft.shape[1]))
-        self.backlog[slot] = self.preemptions[slot] = self.busy_until[slot] = 0.0
+        self.backlog[slot] = self.preemptions[slot] = self.arrived[slot] = self.busy_until[slot] = 0.0
         self.clock[slot] = self.finish[slot] = 0.0
         self.ttft[slot] = 0.0
-        self.replicas.append(_Replica(slot, f"replica-{slot}", now, ready_at))
+        running_at = min(ready_at, now + self.config.pending_s)
+        self.replicas.append(_Replica(slot, f"replica-{slot}", now, running_at, ready_at))
         alive = sum(1 for r in self.replicas if r.removed_at is None)
         self.result.max_replicas = max(self.result.max_replicas, alive)
 

@@ -18,8 +18,8 @@ Each is compared with what was measured the way it was measured:
   so the run's tail is the simulator's drain. A point without its run (a steady rate's
   throughput) is compared with the steady run's requests / duration.
 A steady simulation's throughput is its offered rate, a finite run's falls short of it by its
-span and tail (benchmarks/history/2026-12-04.md, "Fleet simulation on the H200 curve"): comparing those two would fail by
-construction.
+span and tail (benchmarks/history/2026-12-04.md, "Fleet simulation on the H200 curve"):
+comparing those two would fail by construction.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from kvpilot.bench import fleet
 from kvpilot.bench.arrival_trace import Trace
 from kvpilot.bench.capacity_curve import LATENCIES, PERCENTILES, CapacityCurve, CurvePoint
 from kvpilot.bench.fleet import Pipeline, Policy, SimConfig, simulate
+from kvpilot.bench.percentile import percentile
 
 TOLERANCE = 0.10
 
@@ -84,7 +85,7 @@ def self_check(curve: CapacityCurve, config: SimConfig, requests_per_point: int,
     for i, point in enumerate(curve.points):
         duration = math.ceil(requests_per_point / point.request_rate / config.tick_s) * config.tick_s
         trace = Trace(np.array([0.0, duration]), np.array([point.request_rate] * 2), "steady")
-        one = Policy("self-check", None, Pipeline(duration, "latest"), 1)
+        one = Policy("self-check", None, Pipeline(duration), 1)
         result = simulate(curve, trace, one, replace(config, seed=config.seed + i), record_latencies=True)
         if point.num_requests is None:
             simulated = {"throughput": result.num_requests / result.duration_s}
@@ -94,9 +95,8 @@ def self_check(curve: CapacityCurve, config: SimConfig, requests_per_point: int,
         measured = {"throughput": point.throughput}
         for kind in LATENCIES:
             values = np.concatenate(result.latencies[kind])
-            for p, quantile, value in zip(PERCENTILES, np.percentile(values, [50, 90, 99]), point.latency[kind],
-                                          strict=True):
-                simulated[f"{kind}_{p}"], measured[f"{kind}_{p}"] = float(quantile), value
+            for p, value in zip(PERCENTILES, point.latency[kind], strict=True):
+                simulated[f"{kind}_{p}"], measured[f"{kind}_{p}"] = percentile(values, float(p[1:])), value
         rows.append(CheckRow(point.request_rate, measured, simulated))
     return SelfCheck(tuple(rows), tolerance)
 

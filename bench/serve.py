@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
     g.add_argument("--model", default=None, help="the model name to send (default: the server's first in /v1/models)")
     g.add_argument("--api-key", default=None, help="Bearer key for the server (default: env OPENAI_API_KEY)")
-    g.add_argument("--request-timeout", type=flags.positive, default=600.0, metavar="SECONDS")
+    g.add_argument("--request-timeout", type=flags.positive_float, default=600.0, metavar="SECONDS")
     g = parser.add_argument_group("workload")
     g.add_argument("--num-prompts", type=flags.positive_int, default=200)
     g.add_argument("--dataset-path", type=Path, default=None, metavar="FILE",
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("load")
     g.add_argument("--request-rate", type=flags.rate, nargs="+", default=[math.inf], metavar="RATE",
                    help="requests/s, one or several (each a run); inf sends every request at once")
-    g.add_argument("--burstiness", type=flags.positive, default=1.0,
+    g.add_argument("--burstiness", type=flags.positive_float, default=1.0,
                    help="Gamma shape of the arrival gaps: 1 is Poisson, below 1 burstier")
     g.add_argument("--max-concurrency", type=flags.positive_int, default=None, help="at most this many requests in flight")
     g = parser.add_argument_group("SLO")

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .loadgen import RequestResult
+from .percentile import percentile
 from .slo import Slo
 
 QUANTILES = {"p50": 50, "p90": 90, "p99": 99}
@@ -24,7 +25,7 @@ def latency_stats(values: Sequence[float]) -> dict[str, float] | None:
         return None
     array = np.asarray(values, dtype=np.float64)
     stats = {"mean": float(array.mean())}
-    stats.update({name: float(np.percentile(array, q)) for name, q in QUANTILES.items()})
+    stats.update({name: percentile(array, q) for name, q in QUANTILES.items()})
     return stats
 
 

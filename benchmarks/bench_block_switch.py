@@ -27,14 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpilot.bench.percentile import percentile
 from kvpilot.runtime import LLM, SamplingParams
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def run(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], switches: list[tuple[float, int]]) -> dict[str, Any]:
@@ -81,8 +75,8 @@ def run(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], switches: 
     ttft = [(t[1] - t[0]) * 1e3 for t in token_times.values() if len(t) > 1]
     itl = [(b - a) * 1e3 for t in token_times.values() for a, b in zip(t[1:], t[2:], strict=False)]
     return {"elapsed_s": elapsed, "requests_per_s": len(prompts) / elapsed,
-            "ttft_ms": {q: percentile(ttft, q) for q in (50, 90, 99)},
-            "itl_ms": {q: percentile(itl, q) for q in (50, 90, 99)},
+            "ttft_ms": {q: percentile(ttft, q) if ttft else None for q in (50, 90, 99)},
+            "itl_ms": {q: percentile(itl, q) if itl else None for q in (50, 90, 99)},
             "preemptions": engine.scheduler.num_preemptions, "switches": switch_rows, "outputs": outputs}
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from kvpilot.bench.percentile import percentile
 from kvpilot.runtime import LLM, SamplingParams
 
 PROMPT_LEN, NEW_TOKENS, MAX_NUM_SEQS, PERIOD = 32, 16, 4, 12
@@ -40,13 +41,6 @@ def arrivals(step: int) -> list[str]:
     if k == 0:
         return ["light"]
     return ["heavy"] if k != 6 else []
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
 def run(llm: LLM, policy: str, num_steps: int, seed: int) -> dict[str, Any]:
@@ -101,8 +95,8 @@ def run(llm: LLM, policy: str, num_steps: int, seed: int) -> dict[str, Any]:
         result["tenants"][tenant] = {
             "requests": len(rids), "started": len(started), "output_tokens": served[tenant],
             "tokens_per_step": served[tenant] / num_steps, "tokens_per_s": served[tenant] / elapsed,
-            "ttft_p50_steps": percentile(ttft_steps, 50), "ttft_p99_steps": percentile(ttft_steps, 99),
-            "ttft_p50_s": percentile(ttft_s, 50), "ttft_p99_s": percentile(ttft_s, 99),
+            **{f"ttft_p{q}_{unit}": percentile(values, q) if values else None
+               for unit, values in (("steps", ttft_steps), ("s", ttft_s)) for q in (50, 99)},
         }
     result["total_tokens_per_step"] = sum(served.values()) / num_steps
     result["total_tokens_per_s"] = sum(served.values()) / elapsed

@@ -505,8 +505,8 @@ class Bench:
             target = "—" if group == "kv write" else ">= 80% of copy"
             lines.append(f"| {name} | {ms(group, name):.4f} ms | {get(group, name, 'TBps'):.2f} TB/s "
                          f"({of:.1%} of copy) | {target} | {'' if group == 'kv write' else verdict(of >= 0.8)} |")
-        lines += ["", f"Block sizes 8/32/64 against block 16: largest difference {spread:.1%}. Earlier calls, the "
-                  "tile sweeps and the experiments behind each default: [history](history/README.md), "
+        lines += ["", f"Block sizes 8/32/64 against block 16: largest difference {spread:.1%}. Earlier calls, "
+                  "the tile sweeps and the experiments behind each default: [history](history/README.md), "
                   '"Kernels (issue 5)".', ""]
         return "\n".join(lines)
 

@@ -15,66 +15,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
-import urllib.request
 from pathlib import Path
+from typing import Any
 
 from kvpilot.bench.loadgen import LoadConfig, run_load
+from kvpilot.bench.server_process import serve
 from kvpilot.bench.summary import summarize
-from kvpilot.bench.workload import RandomSpec, random_requests
+from kvpilot.bench.workload import BenchRequest, RandomSpec, random_requests
 
 NUM_STREAMS, NEW_TOKENS = 16, 64
 MODEL = "SmolLM2-135M-Instruct"
+SERVER_FLAGS = ["--max-model-len", "1024", "--disable-log-stats", "--log-level", "warning"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Served:
-    """A `kvpilot serve` process on the embedded model, driven by bench serve's load generator."""
-
-    def __init__(self) -> None:
-        port = _free_port()
-        kvpilot = str(Path(sys.executable).parent / "kvpilot")
-        self.proc = subprocess.Popen([kvpilot, "serve", "--port", str(port), "--max-model-len", "1024",
-                                      "--disable-log-stats", "--log-level", "warning"],
-                                     env={**os.environ, "PYTHONSAFEPATH": "1"})
-        self.base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit("kvpilot serve exited before it was ready")
-            try:
-                with urllib.request.urlopen(f"{self.base}/ready", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("kvpilot serve did not become ready in 300 s")
-            time.sleep(0.5)
-
-    def run(self, requests: list) -> dict:
-        config = LoadConfig(self.base, MODEL, max_concurrency=NUM_STREAMS, ignore_eos=True)
-        load = asyncio.run(run_load(config, requests))
-        summary = summarize(load.results, load.duration_s, float("inf"))
-        assert summary["completed"] == NUM_STREAMS, summary["errors"]
-        assert summary["total_output_tokens"] == NUM_STREAMS * NEW_TOKENS
-        return summary
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
+async def served(base: str, requests: list[BenchRequest]) -> dict[str, Any]:
+    """One round through bench serve's load generator, all streams at once."""
+    config = LoadConfig(base, MODEL, max_concurrency=NUM_STREAMS, ignore_eos=True)
+    load = await run_load(config, requests)
+    summary = summarize(load.results, load.duration_s, float("inf"))
+    assert summary["completed"] == NUM_STREAMS, summary["errors"]
+    assert summary["total_output_tokens"] == NUM_STREAMS * NEW_TOKENS
+    return summary
 
 
 class Offline:
@@ -100,19 +68,26 @@ def main() -> None:
     requests = random_requests(RandomSpec(NUM_STREAMS, 54, NEW_TOKENS, range_ratio=0.85), seed=0)
     requests = [type(r)(r.prompt, r.prompt_len, NEW_TOKENS) for r in requests]  # lengths vary in, not out
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the kvpilot command sets it for the server
-    server, offline = Served(), Offline()
-    serve_runs, offline_rates = [], []
-    try:
-        for i in range(args.repeats + 1):  # the rounds alternate, so both sides share the VM's spells
-            summary, rate = server.run(requests), offline.run(requests)
-            if i:  # the first round of each warms it up
-                serve_runs.append(summary)
-                offline_rates.append(rate)
-                print(json.dumps({"served_output_tok_s": summary["output_throughput"], "offline_output_tok_s": rate,
-                                  "ttft_p50_ms": 1e3 * summary["ttft"]["p50"],
-                                  "itl_p50_ms": 1e3 * summary["itl"]["p50"]}), flush=True)
-    finally:
-        server.stop()
+    log = Path(tempfile.gettempdir()) / "bench_serve_cpu.server.log"
+    serve_runs: list[dict[str, Any]] = []
+    offline_rates: list[float] = []
+    # The server's event loop runs only while a served round does: LLM.generate runs on this
+    # (main) thread between them, as a user's offline call would.
+    with asyncio.Runner() as loop:
+        stack = contextlib.AsyncExitStack()
+        try:
+            base = loop.run(stack.enter_async_context(serve(SERVER_FLAGS, log, startup_timeout_s=300)))
+            offline = Offline()
+            for i in range(args.repeats + 1):  # the rounds alternate, so both sides share the VM's spells
+                summary, rate = loop.run(served(base, requests)), offline.run(requests)
+                if i:  # the first round of each warms it up
+                    serve_runs.append(summary)
+                    offline_rates.append(rate)
+                    print(json.dumps({"served_output_tok_s": summary["output_throughput"],
+                                      "offline_output_tok_s": rate, "ttft_p50_ms": 1e3 * summary["ttft"]["p50"],
+                                      "itl_p50_ms": 1e3 * summary["itl"]["p50"]}), flush=True)
+        finally:
+            loop.run(stack.aclose())
     served_rate = statistics.median(r["output_throughput"] for r in serve_runs)
     offline_rate = statistics.median(offline_rates)
     pairs = [r["output_throughput"] / o for r, o in zip(serve_runs, offline_rates, strict=True)]

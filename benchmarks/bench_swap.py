@@ -35,9 +35,10 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.bench.percentile import percentile
 from kvpilot.runtime import LLM, SamplingParams
-from kvpilot.runtime.config import BLOCK_SIZES
 from kvpilot.runtime.sched.sequence import Request
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 MiB = 1 << 20
 
@@ -259,11 +260,6 @@ def crossovers(rows: list[dict[str, object]]) -> dict[int, int | None]:
     return out
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def served(args: argparse.Namespace, llm: LLM) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for block_size in args.served_block_sizes:
@@ -316,8 +312,8 @@ def served_run(args: argparse.Namespace, llm: LLM, vocab: int, tag: str) -> dict
             swap_seconds += stats.swap_out_seconds + stats.swap_in_seconds
     duration = time.time() - start
     return {"served_req_s": args.num_prompts / duration, "output_tok_s": args.num_prompts * args.output_len / duration,
-            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-            "e2e_p99_s": percentile(e2e, 0.99), "preemptions": sched.num_preemptions - preempted0,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "e2e_p99_s": percentile(e2e, 99), "preemptions": sched.num_preemptions - preempted0,
             "swapped_out": sched.num_swapped_out - swapped0, "swap_GB": swap_bytes / 1e9,
             "swap_seconds": swap_seconds, "duration_s": duration}
 

@@ -22,7 +22,8 @@ is zero; each compile is listed with its kernel and specialisation.
 (both need the kvpilot import names: an install, or benchmarks/run_on_gpu.sh's shim folder)
 
 The figures are the compiler's; the timings they explain, and what the probe showed, are in
-benchmarks/history/2026-12-03.md (Kernels, "Offline") and benchmarks/RESULTS.md ("Compilation after start-up").
+benchmarks/history/2026-12-03.md (Kernels, "Offline") and benchmarks/RESULTS.md ("Compilation
+after start-up").
 """
 
 from __future__ import annotations

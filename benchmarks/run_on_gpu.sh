@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Everything the repository checks and times on a GPU (the lent H200 via the device
-# tool, or any CUDA machine with torch, triton, transformers and pytest):
+# Everything the repository checks and times on a GPU (any CUDA machine with torch, triton,
+# transformers and pytest):
 #   COMMIT=<hash> bash benchmarks/run_on_gpu.sh [--sweep]
-# (COMMIT is only the label written into the results: give it from your checkout, since the device
-# tool's copy of the tree keeps an older git HEAD and `git rev-parse HEAD` there names the wrong commit.)
+# (COMMIT is only the label written into the results: give it from your checkout, since a copy of
+# the working tree may keep an older git HEAD, and `git rev-parse HEAD` there names the wrong commit.)
 # GPU tests (kernels at real sizes, the engine on CUDA against HF; TESTS narrows them), then the
 # kernel benchmark (extra arguments go to it), then whole-engine throughput with and without decode
 # CUDA graphs. Logs and results land in $OUT; TEST_LIMIT, KERNEL_LIMIT and ENGINE_LIMIT cap each
@@ -17,7 +17,7 @@ export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 shim=$(mktemp -d)
 mkdir -p "$shim/kvpilot"
 for c in runtime kernels operator bench; do ln -s "$PWD/$c" "$shim/kvpilot/$c"; done
-export PYTHONPATH="$shim"
+export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"  # wheels carried on PYTHONPATH stay importable
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 # run_step LIMIT_SECONDS ...: the command under a time cap; a cap of 0 skips the step
 run_step() {

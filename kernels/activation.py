@@ -23,23 +23,29 @@ BLOCK = 1024  # elements of one row a program takes
 
 
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr,
-                         LIBDEVICE: tl.constexpr):
-    """Grid (num_tokens, cdiv(width, BLOCK)). LIBDEVICE takes CUDA's expf (tl.exp is a faster
-    approximation on the GPU); Triton's interpreter has no libdevice, and its tl.exp is numpy's."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < width
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + width + cols, mask=mask, other=0.0)
+def silu_mul(gate, up, LIBDEVICE: tl.constexpr):
+    """silu(gate) * up in gate's dtype, rounded as torch rounds it. LIBDEVICE takes CUDA's expf
+    (tl.exp is a faster approximation on the GPU); Triton's interpreter has no libdevice, and its
+    tl.exp is numpy's."""
     g = gate.to(tl.float32)
     if LIBDEVICE:
         e = libdevice.exp(-g)
     else:
         e = tl.exp(-g)
     silu = tl.math.div_rn(g, 1.0 + e).to(gate.dtype)
-    out = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
+def _silu_and_mul_kernel(out_ptr, x_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr,
+                         LIBDEVICE: tl.constexpr):
+    """Grid (num_tokens, cdiv(width, BLOCK))."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + width + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, silu_mul(gate, up, LIBDEVICE), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

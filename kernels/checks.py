@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# what a KV cache may hold: the model's dtype, or FP8 (kv_quant.py)
+CACHE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
 
 
 def check_tensor(

@@ -131,12 +131,13 @@ class CpuOps(ReferenceOps):
     reference's ops otherwise."""
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
-                        scale: float) -> torch.Tensor:
-        """The decode rows in C; the rows of sequences with several new tokens as the reference."""
+                        scale: float, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """The decode rows in C; the rows of sequences with several new tokens as the reference
+        (FP8 caches: all rows as the reference)."""
         block_tables, seq_lens = plan.block_tables, plan.seq_lens
         if not (_fp32_rows(q, k_cache, v_cache) and block_tables.dtype == seq_lens.dtype == torch.int32
                 and block_tables.stride(-1) == 1 and seq_lens.is_contiguous()):
-            return super().paged_attention(q, k_cache, v_cache, plan, scale)
+            return super().paged_attention(q, k_cache, v_cache, plan, scale, kv_scales)
         _same("k_cache/v_cache shapes", k_cache.shape, v_cache.shape)
         _same("q head_dim vs cache head_dim", q.shape[2], k_cache.shape[3])
         _same("seq_lens vs block_tables rows", seq_lens.shape[0], block_tables.shape[0])
@@ -190,11 +191,11 @@ class CpuOps(ReferenceOps):
                           cos_sin_cache.stride(0))
 
     def write_kv_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       plan: StepPlan) -> None:
+                       plan: StepPlan, kv_scales: torch.Tensor | None = None) -> None:
         slot_mapping = plan.slot_mapping
         if not (_fp32_rows(k, v, k_cache, v_cache) and slot_mapping.dtype == torch.int64
                 and slot_mapping.is_contiguous()):
-            super().write_kv_cache(k, v, k_cache, v_cache, plan)
+            super().write_kv_cache(k, v, k_cache, v_cache, plan, kv_scales)
             return
         _same("k/v shapes", k.shape, v.shape)
         _same("k_cache/v_cache shapes", k_cache.shape, v_cache.shape)

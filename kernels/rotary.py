@@ -5,8 +5,9 @@ positions (num_tokens,) int32/int64; q (num_tokens, num_heads, head_dim) and k, 
 num_kv_heads, head_dim), unit stride in head_dim; cos_sin_cache (max_position, head_dim) float32
 contiguous, cos in [:, :head_dim/2] and sin in [:, head_dim/2:] (llama3 scaling is baked in by the
 model). One program rotates every head of q and k of one token, so cos/sin are read once; fused,
-it also stores the token's rotated keys and its values in their cache slot (`cache.py`'s layout
-and slot mapping), one launch a layer instead of two. The cache then holds exactly the rotated k.
+it also stores the token's rotated keys and its values in their cache slot (`cache.py`'s layout,
+slot mapping and FP8 quantisation), one launch a layer instead of two. The cache then holds
+exactly the rotated k (rounded to k's dtype, then quantised when the cache holds FP8).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels import cache
-from kvpilot.kernels.cache import slot_ptrs
+from kvpilot.kernels.cache import cache_value, load_scales, slot_ptrs
 from kvpilot.kernels.checks import FLOAT_DTYPES, check_contiguous, check_shape, check_tensor
 from kvpilot.kernels.host import next_power_of_2
 
@@ -43,15 +44,16 @@ def _rotate(ptr, stride_h, cos, sin, NUM_HEADS: tl.constexpr, H_PAD: tl.constexp
 @triton.jit
 def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, cos_sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-    v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_vt, stride_vh,
+    v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, kv_scales_ptr, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HQ_PAD: tl.constexpr,
     HK_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid (num_tokens,). WRITE_KV also stores the token's rotated k and its v at its slot
-    (k_cache/v_cache strides stride_c*/stride_d* over (block, slot, head); slot -1 skips); the
-    cache arguments are unused without it."""
+    (k_cache/v_cache strides stride_c*/stride_d* over (block, slot, head); slot -1 skips), with
+    KV_FP8 quantised by the (k_scale, v_scale) at kv_scales_ptr; the cache arguments are unused
+    without WRITE_KV."""
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     c = tl.arange(0, HALF_PAD)
@@ -63,15 +65,16 @@ def _rotary_kernel(
     if WRITE_KV:
         slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
         if slot >= 0:
+            k_scale, v_scale = load_scales(kv_scales_ptr, KV_FP8)
             h = tl.arange(0, HK_PAD)
             mask = (h[:, None] < NUM_KV_HEADS) & (c[None, :] < HALF)
             kc = slot_ptrs(k_cache_ptr, slot, h, c, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
-            tl.store(kc, k1, mask=mask)
-            tl.store(kc + HALF, k2, mask=mask)
+            tl.store(kc, cache_value(k1, k_scale, k_cache_ptr, KV_FP8), mask=mask)
+            tl.store(kc + HALF, cache_value(k2, k_scale, k_cache_ptr, KV_FP8), mask=mask)
             v = v_ptr + tok * stride_vt + h[:, None] * stride_vh + c[None, :]
             vc = slot_ptrs(v_cache_ptr, slot, h, c, stride_db, stride_ds, stride_dh, BLOCK_SIZE)
-            tl.store(vc, tl.load(v, mask=mask), mask=mask)
-            tl.store(vc + HALF, tl.load(v + HALF, mask=mask), mask=mask)
+            tl.store(vc, cache_value(tl.load(v, mask=mask), v_scale, v_cache_ptr, KV_FP8), mask=mask)
+            tl.store(vc + HALF, cache_value(tl.load(v + HALF, mask=mask), v_scale, v_cache_ptr, KV_FP8), mask=mask)
 
 
 def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
@@ -91,18 +94,19 @@ def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_ca
 
 def _launch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
             v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-            write_kv: bool) -> None:
+            write_kv: bool, kv_scales: torch.Tensor | None = None) -> None:
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
         return
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v, k_cache, v_cache, slot_mapping, v.stride(0), v.stride(1),
+        v, k_cache, v_cache, slot_mapping, positions if kv_scales is None else kv_scales, v.stride(0), v.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[1], HQ_PAD=next_power_of_2(num_heads),
         HK_PAD=next_power_of_2(k.shape[1]), HALF=half, HALF_PAD=next_power_of_2(half),
-        WRITE_KV=write_kv, BLOCK_SIZE=k_cache.shape[1] if write_kv else 1, num_warps=4,
+        WRITE_KV=write_kv, BLOCK_SIZE=k_cache.shape[1] if write_kv else 1, KV_FP8=kv_scales is not None,
+        num_warps=4,
     )
 
 
@@ -118,9 +122,10 @@ def rotary_embedding(
 def rotary_and_write_kv(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
     v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """`rotary_embedding`, then `cache.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)`,
-    in one launch."""
+    """`rotary_embedding`, then `cache.write_kv_cache(k, v, k_cache, v_cache, slot_mapping,
+    kv_scales)`, in one launch."""
     _check(positions, q, k, cos_sin_cache)
-    cache.check(k, v, k_cache, v_cache, slot_mapping)
-    _launch(positions, q, k, cos_sin_cache, v, k_cache, v_cache, slot_mapping, write_kv=True)
+    scales = cache.check(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+    _launch(positions, q, k, cos_sin_cache, v, k_cache, v_cache, slot_mapping, write_kv=True, kv_scales=scales)

@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prometheus-address", default=None, metavar="URL",
                         help="Prometheus that KEDA ScaledObjects query (spec.autoscaling.mode keda) when a spec "
                              "names none, e.g. http://prometheus.monitoring.svc:9090")
+    parser.add_argument("--engine-cache-host-path", default=None, metavar="PATH",
+                        help="a node folder mounted into every engine pod for its caches (Triton's compiled "
+                             "kernels, the engine's), so a second pod on the node compiles nothing; it must be "
+                             "writable by uid 1000 (default: each pod its own emptyDir)")
     monitoring.add_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     parser.add_argument("--debug", action="store_true", help="log everything, including API traffic")
@@ -63,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = handlers.OperatorConfig(image=args.image, resync_interval=args.resync_interval,
                                          workers=args.workers, health_port=args.health_port,
-                                         monitoring=engine_monitoring, prometheus_address=args.prometheus_address)
+                                         monitoring=engine_monitoring, prometheus_address=args.prometheus_address,
+                                         engine_cache_host_path=args.engine_cache_host_path or None)
     except ValueError as exc:
         print(f"kvpilot operator: --{str(exc).split(':')[0].replace('_', '-')}:{str(exc).partition(':')[2]}")
         return 2

@@ -18,22 +18,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import metrics
 from .events import build_event
+from .key import Key
 from .kube import ApiError, Kube
 from .manifests import GROUP
 from .model_source import SpecError
+from .objects import Manifest
 from .pilot_spec import measurement_basis
 from .reconcile import Change, Desired, Extras, reconcile
 from .status import api_error_status, invalid_spec_status, merge_conditions, status_changes
 from .timestamps import now_iso
 
 if TYPE_CHECKING:
-    from .autotune.live_config import LiveConfig
+    from kvpilot.runtime.tunables import LiveConfig
+
     from .pilot import Pilots, PilotSettings
 
 logger = logging.getLogger(__name__)
@@ -45,16 +47,6 @@ LEGACY_FINALIZER = f"{GROUP}/finalizer"
 # at once, since waiting does not fix RBAC.
 PERSISTENT_AFTER = 3
 
-Manifest = dict[str, Any]
-
-
-@dataclass(frozen=True, order=True)
-class Key:
-    namespace: str
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.namespace}/{self.name}"
 
 
 class Next(Enum):
@@ -143,7 +135,7 @@ class Controller:
             self.pilots.sync(key, settings, status, tuned)
 
     def _pilot_settings(self, desired: Desired) -> PilotSettings:
-        from .autotune.live_config import EngineLimits
+        from .autotune.engine_limits import EngineLimits
         from .pilot import PilotSettings
 
         engine = desired.spec.engine

@@ -1,15 +1,25 @@
 """Kubernetes Events about an InferenceService, from component `kvpilot` (what `kubectl describe`
-shows in its From column): a pure builder; the controller posts them."""
+shows in its From column): what the pilot's steps ask to post (`Event`) and a pure builder of
+the object; the controller and the pilot post them."""
 
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from dataclasses import dataclass
+from typing import Literal
+
+from .objects import Manifest
 
 COMPONENT = "kvpilot"
 MAX_MESSAGE = 1024  # the API server refuses longer ones
 
-Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Event:
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
 
 
 def build_event(obj: Manifest, type_: str, reason: str, message: str, instance: str, now: str) -> Manifest:

@@ -19,8 +19,9 @@ from typing import Any
 import kopf
 
 from .autoscale.scaling_spec import check_prometheus_address
-from .controller import Controller, Key
+from .controller import Controller
 from .health import Health
+from .key import Key
 from .kube import Kube
 from .manifests import GROUP, INSTANCE_LABEL, MANAGED_BY, PLURAL, VERSION
 from .monitoring import EngineMonitoring
@@ -28,10 +29,11 @@ from .pilot import Pilots
 from .reconcile import Extras
 from .runner import Runner
 
-# The children the operator writes: an event on any of them runs its owner again.
+# The children the operator writes, and the pods (whose engine failures become a condition): an
+# event on any of them runs its owner again.
 CHILDREN = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "secrets"),
             ("policy", "v1", "poddisruptionbudgets"), ("", "v1", "configmaps"),
-            ("autoscaling", "v2", "horizontalpodautoscalers"))
+            ("autoscaling", "v2", "horizontalpodautoscalers"), ("", "v1", "pods"))
 MAX_API_RETRY_SECONDS = 10.0
 
 
@@ -43,6 +45,7 @@ class OperatorConfig:
     health_port: int = 0  # 0: no probe endpoints
     monitoring: EngineMonitoring = EngineMonitoring()  # the PodMonitor per InferenceService
     prometheus_address: str | None = None  # KEDA's Prometheus when a spec names none
+    engine_cache_host_path: str | None = None  # a node folder the engine pods' caches share
 
     def __post_init__(self) -> None:
         if self.resync_interval <= 0:
@@ -51,6 +54,8 @@ class OperatorConfig:
             raise ValueError(f"workers: must be >= 1, not {self.workers}")
         if self.prometheus_address is not None:
             check_prometheus_address(self.prometheus_address)
+        if self.engine_cache_host_path is not None and not self.engine_cache_host_path.startswith("/"):
+            raise ValueError(f"engine_cache_host_path: must be an absolute path, not {self.engine_cache_host_path!r}")
 
 
 class RetryForever:
@@ -85,7 +90,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         kube = Kube.from_environment()
         memo.kube = kube
         memo.pilots = Pilots(kube, instance, lambda key: memo.runner.add(key))
-        extras = Extras(monitoring=config.monitoring, prometheus_address=config.prometheus_address)
+        extras = Extras(monitoring=config.monitoring, prometheus_address=config.prometheus_address,
+                        engine_cache_host_path=config.engine_cache_host_path)
         controller = Controller(kube, config.image, instance, extras, memo.pilots)
         memo.runner = Runner(controller, config.workers, config.resync_interval)
         await memo.runner.start()

@@ -15,7 +15,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-Manifest = dict[str, Any]
+from .objects import Manifest
 
 # kind -> (API prefix, plural); every kind the operator writes.
 RESOURCES: dict[str, tuple[str, str]] = {

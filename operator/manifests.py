@@ -16,6 +16,7 @@ from typing import Any
 
 from .engine_args import SERVE_PORT, serve_args
 from .model_source import ModelSource
+from .objects import Manifest
 from .spec import InferenceServiceSpec
 
 GROUP = "serving.kvpilot.io"
@@ -25,14 +26,17 @@ PLURAL = "inferenceservices"
 INSTANCE_LABEL = f"{GROUP}/inferenceservice"
 SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"
 MANAGED_BY = "kvpilot-operator"
+ENGINE_CONTAINER = "server"  # the pod's `kvpilot serve` container
 CACHE_DIR = "/var/cache/kvpilot"
+# Triton's compiled kernels live in the same volume, so a node-wide one (--engine-cache-host-path)
+# lets a second pod on the node load what the first compiled
+TRITON_CACHE_DIR = f"{CACHE_DIR}/triton"
 ADMIN_TOKEN_KEY = "token"
 # The live config the autotuner tuned the service to, which a pod (re)started later reads at start.
 TUNED_CONFIG_DIR = "/etc/kvpilot/tuned"
 TUNED_CONFIG_KEY = "tuned.json"
 PROBE_PERIOD_SECONDS = 10
 
-Manifest = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,7 @@ def _env(owner: Owner, spec: InferenceServiceSpec) -> list[Manifest]:
             "name": spec.api_key_secret_ref.name, "key": spec.api_key_secret_ref.key}}})
     env += [
         {"name": "KVPILOT_CACHE", "value": CACHE_DIR},
+        {"name": "TRITON_CACHE_DIR", "value": TRITON_CACHE_DIR},
         {"name": "HOME", "value": "/tmp"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
@@ -146,10 +151,17 @@ def _resources(spec: InferenceServiceSpec) -> Manifest:
     return {"requests": requests, "limits": limits}
 
 
-def _volumes(spec: InferenceServiceSpec, source: ModelSource) -> tuple[list[Manifest], list[Manifest]]:
+def _volumes(spec: InferenceServiceSpec, source: ModelSource,
+             cache_host_path: str | None = None) -> tuple[list[Manifest], list[Manifest]]:
+    """The pod's volumes and the server's mounts. The engine's caches (compiled kernels, converted
+    GGUF files) are the pod's own unless the operator names a node folder for every pod on the node
+    to share (`cache_host_path`: it must be writable by uid 1000; the engine falls back to a private
+    folder, with a warning, where it is not)."""
+    cache: Manifest = ({"hostPath": {"path": cache_host_path, "type": "DirectoryOrCreate"}}
+                       if cache_host_path else {"emptyDir": {}})
     volumes: list[Manifest] = [
         {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
-        {"name": "cache", "emptyDir": {}},
+        {"name": "cache", **cache},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
     ]
     mounts: list[Manifest] = [
@@ -188,7 +200,7 @@ def build_container(owner: Owner, spec: InferenceServiceSpec, source: ModelSourc
     if tunes_live(spec):
         args += ["--tuned-config", f"{TUNED_CONFIG_DIR}/{TUNED_CONFIG_KEY}"]
     return {
-        "name": "server",
+        "name": ENGINE_CONTAINER,
         "image": image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["kvpilot", "serve"],
@@ -215,8 +227,9 @@ def build_container(owner: Owner, spec: InferenceServiceSpec, source: ModelSourc
     }
 
 
-def build_deployment(owner: Owner, spec: InferenceServiceSpec, source: ModelSource, image: str) -> Manifest:
-    volumes, _ = _volumes(spec, source)
+def build_deployment(owner: Owner, spec: InferenceServiceSpec, source: ModelSource, image: str,
+                     cache_host_path: str | None = None) -> Manifest:
+    volumes, _ = _volumes(spec, source, cache_host_path)
     volumes += _tuned_volume(owner, spec)[0]
     placement = spec.placement
     pod_spec: Manifest = {

@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from .manifests import Manifest, Owner, labels, owner_reference, selector_labels, with_spec_hash
+from .manifests import Owner, labels, owner_reference, selector_labels, with_spec_hash
+from .objects import Manifest
 
 ENGINE_JOB = "kvpilot-engine"
 METRICS_PATH = "/metrics"

@@ -2,9 +2,12 @@
 interval scrapes each Ready pod (`autotune.ServiceScraper`) and acts on what it saw.
 
 One pass: list the service's pods (ready: Ready with an IP, so scraped; starting; leaving), scrape
-the ready ones, keep the pod-deletion-cost annotations current (`scaler.py`, every mode), decide
-the replicas (`mode: builtin`, `scaler.py`), then tune (`tuner.py`) — in that order, and through
-one `Coordination`, so a pass never changes both and a scale event pauses tuning for a dwell.
+the ready ones, keep the pod-deletion-cost annotations current (every mode), take the scaling
+step (`scaler.py`: the replicas in `mode: builtin`, the target's reach in every mode), then tune
+(`tuner.py`) — in that order, and through one `Coordination` that each step takes and returns,
+so a pass never changes both and a scale event pauses tuning for a dwell. A step is a function of
+its inputs that returns its new state and what to do (a scale write, Events, decision records);
+the pilot does it, and keeps the new state once it is done.
 
 The pilot never writes status: it publishes a `PilotView` (conditions, `status.tuning`,
 `status.scaling`, `status.decisions`, `status.metrics`, the tuned config) and puts the service's
@@ -30,30 +33,37 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from statistics import fmean
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
+from kvpilot.runtime.tunables import LiveConfig
+
+from . import metrics
 from .autoscale.calculator import PodState
 from .autoscale.coordination import Coordination
+from .autoscale.deletion_cost import DELETION_COST_ANNOTATION, cost_patch, deletion_costs
 from .autoscale.history import DecisionRecord, appended
 from .autoscale.scaling_spec import ScalingSpec
+from .autoscale.startup import PodStartup, pod_startup
+from .autotune.admin import AdminClient
 from .autotune.endpoint import PodEndpoint
-from .autotune.live_config import EngineLimits, LiveConfig
+from .autotune.engine_limits import EngineLimits
 from .autotune.scrape import ScrapeReport, ServiceScraper
 from .autotune.tuning_spec import TuningSpec
 from .engine_args import SERVE_PORT
 from .events import build_event
+from .key import Key
 from .kube import ApiError, Kube
 from .manifests import ADMIN_TOKEN_KEY, Owner, selector_string
+from .objects import Manifest
+from .scaler import ScalingInputs, ScalingState, scale, watch_target
 from .timestamps import now_iso
-
-if TYPE_CHECKING:
-    from .controller import Key
+from .tuner import TuningInputs, tune
+from .tuner_state import TunerState
 
 logger = logging.getLogger(__name__)
 
-Manifest = dict[str, Any]
 SCRAPE_TIMEOUT_S = 5.0
 IDLE_INTERVAL_S = 15.0  # deletion costs alone (modes hpa and keda): as often as an HPA syncs
 POD_TEMPLATE_LABEL = "pod-template-hash"  # set by the Deployment controller on each ReplicaSet's pods
@@ -111,13 +121,12 @@ class Pods:
     # the pod templates (the Deployment's pod-template-hash labels) of every pod, whatever its
     # state: more than one while a rollout replaces the pods of one spec with another's
     templates: frozenset[str] = frozenset()
+    startups: tuple[PodStartup, ...] = ()  # the Ready pods' creation to Ready
 
 
 def classify(pods: list[Manifest]) -> Pods:
     """ready: Ready with an IP (in the Service's endpoints, so scraped); leaving: being deleted
     or finished; starting: the rest (scheduled, pulling, loading the model)."""
-    from .autoscale.deletion_cost import DELETION_COST_ANNOTATION
-
     states: dict[str, PodState] = {}
     endpoints, costs, templates = [], {}, set()
     for pod in pods:
@@ -135,7 +144,8 @@ def classify(pods: list[Manifest]) -> Pods:
             endpoints.append(PodEndpoint(name, status["podIP"], _serving_port(pod)))
         else:
             states[name] = "starting"
-    return Pods(states, sorted(endpoints, key=lambda e: e.pod), costs, frozenset(templates))
+    startups = tuple(startup for pod in pods if (startup := pod_startup(pod)) is not None)
+    return Pods(states, sorted(endpoints, key=lambda e: e.pod), costs, frozenset(templates), startups)
 
 
 def _serving_port(pod: Manifest) -> int:
@@ -154,17 +164,15 @@ class Pilot:
                  clock: Callable[[], float] = time.time) -> None:
         """`status`: the service's status as an earlier pilot left it; `tuned`: the tuned config
         it left (`reconcile.recorded_tuned`), which the view carries until this pilot has its own."""
-        from .scaler import Scaler
-        from .tuner import Tuner
-
         self.key, self.kube, self.session, self.poke, self.clock = key, kube, session, poke, clock
         self.settings = settings
         self.scraper = ServiceScraper(key.namespace, key.name, session, timeout_s=SCRAPE_TIMEOUT_S,
                                       span_s=settings.span_s, clock=clock)
-        self.coordination = Coordination()
         self.decisions: list[Manifest] = list(status.get("decisions") or [])
-        self.tuner = Tuner(self, status.get("tuning") or {}, tuned)
-        self.scaler = Scaler(self, status.get("scaling") or {})
+        self.tuning = TunerState.from_status(status.get("tuning") or {}, tuned)
+        # a canary an earlier operator left is still being judged: no scale-down meanwhile
+        self.coordination = Coordination(tuning_in_flight=self.tuning.canary is not None)
+        self.scaling = ScalingState.from_status(status.get("scaling") or {})
         self.metrics: Manifest | None = status.get("metrics")
         self.view = PilotView(tuned)
         self.body: Manifest = {}
@@ -219,14 +227,56 @@ class Pilot:
         now = self.clock()
         self.metrics = _service_metrics(report, self.scraper, now, self.settings.interval_s) or self.metrics
         if self.settings.scaling.enabled:
-            await self.scaler.keep_deletion_costs(pods, now)
-            if self.settings.scaling.mode == "builtin":
-                await self.scaler.step(now, pods)
-            else:
-                await self.scaler.check_target(now, pods)
+            await self._scale(now, pods)
         if self.settings.tuning.enabled:
-            await self.tuner.step(now, pods, report)
+            await self._tune(now, pods, report)
         self._publish()
+
+    async def _scale(self, now: float, pods: Pods) -> None:
+        """Deletion costs, then the scaling step, and what it asks for."""
+        spec, key = self.settings.scaling, self.key
+        summaries = self.scraper.summaries(since=now - spec.window)
+        for pod, cost in deletion_costs(summaries, pods.deletion_costs).items():
+            try:
+                await asyncio.to_thread(self.kube.patch, "Pod", key.namespace, pod, cost_patch(cost))
+            except ApiError as exc:  # the pod went away meanwhile, most likely: the next pass tells
+                logger.info(f"deletion cost of pod {pod} not written: {exc}")
+        inputs = ScalingInputs(now, spec, int(self.body.get("spec", {}).get("replicas", 1)), summaries,
+                               pods.states, self.coordination, self.settings.dwell_s,
+                               self.scraper.summaries(since=now - self.settings.interval_s), pods.startups)
+        step = scale(self.scaling, inputs) if spec.mode == "builtin" else watch_target(self.scaling, inputs)
+        if step.scale_to is not None and step.direction is not None:  # an API error keeps the state we had
+            await asyncio.to_thread(self.kube.patch, "InferenceService", key.namespace, key.name,
+                                    {"spec": {"replicas": step.scale_to}}, "scale")
+            self.body.setdefault("spec", {})["replicas"] = step.scale_to
+            metrics.SCALING_DECISIONS.labels(key.namespace, key.name, step.direction).inc()
+        self.scaling, self.coordination = step.state, step.coordination
+        if spec.mode == "builtin" and step.state.desired is not None:
+            metrics.DESIRED_REPLICAS.labels(key.namespace, key.name).set(step.state.desired)
+        for record in step.records:
+            self.record(record)
+        for event in step.events:
+            await self.post_event(event.type, event.reason, event.message)
+
+    async def _tune(self, now: float, pods: Pods, report: ScrapeReport) -> None:
+        """The tuning step, its admin calls to the pods, and what it asks for."""
+        settings, key = self.settings, self.key
+        endpoints = {e.pod: e for e in pods.endpoints if e.pod in report.samples}
+        inputs = TuningInputs(now, settings.tuning, settings.limits, dict(settings.basis), self.scraper.windows,
+                              {p: s.settings for p, s in report.samples.items()}, endpoints, self.coordination,
+                              settings.dwell_s, len(pods.templates), len(report.failures))
+        admin = AdminClient(self.session, await self.admin_token(), timeout_s=10, attempts=3,
+                            backoff_s=0.2) if endpoints else None
+        step = await tune(self.tuning, inputs, admin)
+        self.tuning, self.coordination = step.state, step.coordination
+        if step.outcome is not None:
+            metrics.TUNING_DECISIONS.labels(key.namespace, key.name, step.outcome).inc()
+            if step.outcome == "rolled_back":
+                metrics.TUNING_ROLLBACKS.labels(key.namespace, key.name).inc()
+        for record in step.records:
+            self.record(record)
+        for event in step.events:
+            await self.post_event(event.type, event.reason, event.message)
 
     def record(self, record: DecisionRecord) -> None:
         self.decisions = appended(self.decisions, record)
@@ -253,16 +303,16 @@ class Pilot:
     def _publish(self) -> None:
         tuning = self.settings.tuning.enabled
         builtin = self.settings.scaling.enabled and self.settings.scaling.mode == "builtin"
-        conditions = tuple(c for c in (self.tuner.condition if tuning else None,
-                                       self.scaler.condition if builtin else None) if c is not None)
+        conditions = tuple(c for c in (self.tuning.condition if tuning else None,
+                                       self.scaling.condition if builtin else None) if c is not None)
         fields: Manifest = {"decisions": self.decisions}
         if tuning:
-            fields["tuning"] = self.tuner.status()
+            fields["tuning"] = self.tuning.to_status()
         if builtin:
-            fields["scaling"] = self.scaler.status()
+            fields["scaling"] = self.scaling.to_status()
         if self.metrics is not None:
             fields["metrics"] = self.metrics
-        view = PilotView(self.tuner.tuned, conditions, fields)
+        view = PilotView(self.tuning.tuned, conditions, fields)
         if view != self.view:
             self.view = view
             self.poke(self.key)

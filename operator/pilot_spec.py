@@ -13,9 +13,11 @@ import hashlib
 import json
 
 from .autoscale.scaling_spec import (
+    DEFAULT_LOOKBACK_S,
     SCALE_DOWN,
     SCALE_UP,
     Behavior,
+    Forecasting,
     ScalingPolicy,
     ScalingRules,
     ScalingSpec,
@@ -101,9 +103,22 @@ def scaling_spec(spec: AutoscalingSpec) -> ScalingSpec:
             interval_s=None if spec.interval is None else seconds(spec.interval),
             behavior=Behavior(_rules(spec.behavior.scale_up, SCALE_UP), _rules(spec.behavior.scale_down, SCALE_DOWN)),
             prometheus_address=spec.prometheus_address,
+            forecast=_forecasting(spec),
         )
     except ValueError as exc:
         raise SpecError(f"spec.autoscaling: {exc}") from None
+
+
+def _forecasting(spec: AutoscalingSpec) -> Forecasting | None:
+    """On by default in mode builtin; a forecast set for another mode reaches ScalingSpec, which
+    refuses it."""
+    given = spec.forecast
+    if given is None:
+        return Forecasting() if spec.mode == "builtin" else None
+    if not given.enabled:
+        return None
+    return Forecasting(None if given.horizon is None else seconds(given.horizon),
+                       DEFAULT_LOOKBACK_S if given.lookback is None else seconds(given.lookback))
 
 
 # engine flags that do not change what a configuration gets through per second at capacity: the

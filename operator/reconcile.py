@@ -20,10 +20,11 @@ from typing import Any
 
 import pydantic
 
+from kvpilot.runtime.tunables import LiveConfig
+
 from .autoscale.hpa import build_hpa
 from .autoscale.keda import KEDA_GROUP, KEDA_VERSION, build_scaled_object, missing_api
 from .autoscale.scaling_spec import ScalingSpec
-from .autotune.live_config import LiveConfig
 from .autotune.tuning_spec import TuningSpec
 from .compare import covers
 from .kube import Kube
@@ -38,6 +39,7 @@ from .manifests import (
     build_service,
     build_tuned_config_map,
     child_metadata,
+    selector_string,
     tunes_live,
     with_spec_hash,
 )
@@ -45,7 +47,7 @@ from .model_source import ModelSource, SpecError, resolve_model_source
 from .monitoring import EngineMonitoring, build_pod_monitor
 from .pilot_spec import scaling_spec, tuning_spec
 from .spec import InferenceServiceSpec
-from .status import build_status, condition
+from .status import build_status, condition, engine_failure
 
 MONITORING_GROUP, MONITORING_VERSION = "monitoring.coreos.com", "v1"
 
@@ -92,6 +94,7 @@ class Extras:
     tuned_by_pilot: bool = False
     monitoring: EngineMonitoring = EngineMonitoring()
     prometheus_address: str | None = None  # KEDA's Prometheus when the spec names none
+    engine_cache_host_path: str | None = None  # a node folder every engine pod's caches share
 
 
 def parse(body: Any) -> Desired:
@@ -110,10 +113,7 @@ def with_tuned(spec: InferenceServiceSpec, tuned: LiveConfig | None) -> Inferenc
     """`spec` with the tuned live values in its engine section."""
     if tuned is None:
         return spec
-    engine = spec.engine.model_copy(update={
-        "block_size": tuned.block_size, "preemption_mode": tuned.preemption_mode,
-        "max_num_seqs": tuned.max_num_seqs, "max_num_batched_tokens": tuned.max_num_batched_tokens,
-        "scheduler_policy": tuned.scheduler_policy})
+    engine = spec.engine.model_copy(update=tuned.to_json())  # spec.engine's fields are the tunables' names
     return spec.model_copy(update={"engine": engine})
 
 
@@ -204,7 +204,7 @@ def recorded_tuned(kube: Kube, desired: Desired, status: Manifest) -> LiveConfig
         config_map = kube.get("ConfigMap", owner.namespace, owner.tuned_config_name) or {}
         try:
             values = json.loads((config_map.get("data") or {}).get(TUNED_CONFIG_KEY) or "{}")
-            return LiveConfig.from_engine(values)
+            return LiveConfig.from_json(values)
         except (ValueError, TypeError):  # {} before the first change, or not ours to read
             pass
     return LiveConfig.from_status((status.get("tuning") or {}).get("config"))
@@ -281,7 +281,8 @@ def reconcile(kube: Kube, body: Any, image: str, now: str, extras: Extras = Extr
     ensure_admin_secret(kube, owner, changes)
     _tuned_config(kube, desired, tuned, changes)
     pod_spec = tuned_spec if spec.autotune.apply == "rollout" else spec
-    deployment = apply(kube, owner, build_deployment(owner, pod_spec, source, spec.image or image), changes)
+    deployment = apply(kube, owner, build_deployment(owner, pod_spec, source, spec.image or image,
+                                                     extras.engine_cache_host_path), changes)
     apply(kube, owner, build_service(owner), changes)
     if spec.pod_disruption_budget.enabled:
         apply(kube, owner, build_pdb(owner, spec), changes)
@@ -289,6 +290,8 @@ def reconcile(kube: Kube, body: Any, image: str, now: str, extras: Extras = Extr
         _delete_owned(kube, "PodDisruptionBudget", owner, owner.name, changes)
     served = _served(kube.api_groups())
     extra_conditions = [_pod_monitor(kube, owner, extras.monitoring, served, changes)]
+    if (failed := engine_failure(kube.list_objects("Pod", owner.namespace, selector_string(owner)))) is not None:
+        extra_conditions.append(failed)  # overrides the rollout's Degraded: the pods say why they do not start
     if (scaling := _autoscaler(kube, desired, extras, served, changes)) is not None:
         extra_conditions.append(scaling)
     generation = body.get("metadata", {}).get("generation", 0)

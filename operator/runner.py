@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from .controller import Controller, Key, Next
+from .controller import Controller, Next
+from .key import Key
 from .workqueue import ShutDown, WorkQueue
 
 logger = logging.getLogger(__name__)

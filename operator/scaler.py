@@ -1,106 +1,133 @@
-"""The autoscaler's step in a pilot pass: deletion costs (every mode) and, in `mode: builtin`,
-the replicas, written through the InferenceService's scale subresource (`spec.replicas`, which
-the reconcile copies to the Deployment) — never the Deployment itself, so no two writers race.
+"""The autoscaler's step in a pilot pass, a function of its inputs that returns what to do.
 
-A scale-down waits while a tuning change is judged and for a dwell after it (`Coordination`);
-a scale-up never waits. A target the pods do not reach while requests queue (`out_of_reach`) is
-said in the ScalingActive condition for as long as it lasts (the decision's `TargetUnreachable`),
-and once in a Warning Event `ScalingTargetUnreachable` each time it begins, in every mode.
+In `mode: builtin` it decides the replicas (`autoscale.decide_replicas`: the HPA's algorithm on
+the scraped windows); a change is written by the pilot through the InferenceService's scale
+subresource (`spec.replicas`, which the reconcile copies to the Deployment), never to the
+Deployment itself, so no two writers race. In every mode it says when the target is out of the
+pods' reach while requests queue (`out_of_reach`): in the ScalingActive condition for as long as
+it lasts (builtin, the decision's `TargetUnreachable`), and once in a Warning Event
+`ScalingTargetUnreachable` each time it begins. Deletion costs (every mode) are the pilot's
+patches of `deletion_cost.deletion_costs`.
+
+With `spec.forecast` (builtin) it also looks ahead (`autoscale.forecast`): the pods' start-ups
+are folded into the service's (`autoscale.startup`), this pass's arrival rate into a series whose
+trend, one start-up plus one interval ahead, is one more input of the decision.
+
+A scale-down waits while a tuning change is judged and for a dwell after it (`Coordination`, an
+input and an output); a scale-up never waits. The state a step returns holds once its scale
+write is made: when the write fails, the pilot keeps the state it had and the next pass decides
+again.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
-from . import metrics
 from .autoscale.behavior import ScalerState
-from .autoscale.deletion_cost import cost_patch, deletion_costs
-from .autoscale.history import scale_record
+from .autoscale.calculator import PodState
+from .autoscale.coordination import Coordination
+from .autoscale.forecast import Forecast, RateSeries, look_ahead
+from .autoscale.history import DecisionRecord, scale_record
 from .autoscale.policy import decide_replicas, out_of_reach
-from .kube import ApiError
+from .autoscale.scaling_spec import ScalingSpec
+from .autoscale.startup import PodStartup, Startup
+from .autotune.window import WindowSummary
+from .events import Event
+from .objects import Manifest
 from .status import condition
-from .timestamps import iso
+from .timestamps import epoch, iso
 
-if TYPE_CHECKING:
-    from .pilot import Pilot, Pods
-
-logger = logging.getLogger(__name__)
-
-Manifest = dict[str, Any]
 _INACTIVE = {"ScalingDisabled", "NoMetrics"}
 
 
-class Scaler:
-    def __init__(self, pilot: Pilot, status: Manifest) -> None:
-        self.pilot = pilot
-        self.state = ScalerState()
-        self.desired: int | None = status.get("desiredReplicas")
-        self.value: float | None = status.get("value")
-        self.last_scale: str | None = status.get("lastScaleTime")
-        self.condition: Manifest | None = None
-        self.unreachable: str | None = None  # why the target is out of the pods' reach, while it is
+@dataclass(frozen=True)
+class ScalingState:
+    """What the autoscaler keeps between passes; `status.scaling` holds what a restart needs."""
 
-    def status(self) -> Manifest:
-        out: Manifest = {}
-        for key, value in (("desiredReplicas", self.desired), ("value", self.value),
-                           ("lastScaleTime", self.last_scale)):
-            if value is not None:
-                out[key] = round(value, 6) if isinstance(value, float) else value
-        return out
+    behavior: ScalerState = ScalerState()  # the HPA algorithm's memory (stabilisation, rate limits)
+    desired: int | None = None
+    value: float | None = None  # the metric at the last decision
+    last_scale: float | None = None
+    condition: Manifest | None = None  # ScalingActive, mode builtin
+    unreachable: str | None = None  # why the target is out of the pods' reach, while it is
+    startup: Startup = Startup()  # the pods' creation to Ready
+    rates: RateSeries = RateSeries()  # the arrival rate, a point a pass; a restarted operator starts anew
+    forecast: Forecast | None = None  # at the last decision
 
-    async def keep_deletion_costs(self, pods: Pods, now: float) -> None:
-        """The least loaded pod is the one a scale-down removes."""
-        pilot = self.pilot
-        summaries = pilot.scraper.summaries(since=now - pilot.settings.scaling.window)
-        for pod, cost in deletion_costs(summaries, pods.deletion_costs).items():
-            try:
-                await asyncio.to_thread(pilot.kube.patch, "Pod", pilot.key.namespace, pod, cost_patch(cost))
-            except ApiError as exc:  # the pod went away meanwhile, most likely: the next pass tells
-                logger.info(f"deletion cost of pod {pod} not written: {exc}")
+    def to_status(self) -> Manifest:
+        forecast = None if self.forecast is None else {
+            "arrivalRate": round(self.forecast.rate_now, 4), "forecastRate": round(self.forecast.rate_ahead, 4),
+            "horizonSeconds": round(self.forecast.horizon_s, 1)}
+        out: dict[str, Any] = {"desiredReplicas": self.desired, "lastScaleTime": iso(self.last_scale)
+                               if self.last_scale is not None else None,
+                               "value": None if self.value is None else round(self.value, 6),
+                               "startup": self.startup.to_status() or None, "forecast": forecast}
+        return {k: v for k, v in out.items() if v is not None}
 
-    async def check_target(self, now: float, pods: Pods) -> str | None:
-        """Why the target is out of the pods' reach, if it is (every mode: an HPA on the same
-        target would not scale either); the Warning Event as it begins."""
-        spec = self.pilot.settings.scaling
-        unreachable = out_of_reach(self.pilot.scraper.summaries(since=now - spec.window), pods.states, spec)
-        if unreachable is not None and self.unreachable is None:
-            await self.pilot.post_event("Warning", "ScalingTargetUnreachable", unreachable)
-        self.unreachable = unreachable
-        return unreachable
+    @classmethod
+    def from_status(cls, status: Mapping[str, Any]) -> ScalingState:
+        return cls(desired=status.get("desiredReplicas"), value=status.get("value"),
+                   last_scale=epoch(status.get("lastScaleTime")),
+                   startup=Startup.from_status(status.get("startup") or {}))
 
-    async def step(self, now: float, pods: Pods) -> None:
-        pilot, spec = self.pilot, self.pilot.settings.scaling
-        key = pilot.key
-        current = int(pilot.body.get("spec", {}).get("replicas", 1))
-        summaries = pilot.scraper.summaries(since=now - spec.window)
-        decision = decide_replicas(summaries, pods.states, current, spec, self.state, now=now)
-        self.value = decision.value if decision.value is not None else self.value
-        await self.check_target(now, pods)  # the Event; the decision says it too (TargetUnreachable)
-        metrics.DESIRED_REPLICAS.labels(key.namespace, key.name).set(decision.desired)
-        active = decision.code not in _INACTIVE
-        direction = decision.direction
-        if direction is not None:
-            turn = pilot.coordination.may_scale(direction, now, pilot.settings.dwell_s)
-            if not turn.allowed:
-                self.state = decision.state
-                self.condition = condition("ScalingActive", True, "WaitingForTuning",
-                                           f"{decision.reason}; {turn.reason}")
-                return
-        self.desired = decision.desired
-        if direction is None:
-            self.state = decision.state
-            self.condition = condition("ScalingActive", active, decision.code, decision.reason)
-            return
-        await asyncio.to_thread(pilot.kube.patch, "InferenceService", key.namespace, key.name,
-                                {"spec": {"replicas": decision.desired}}, "scale")
-        self.state = decision.scaled_state
-        pilot.coordination = pilot.coordination.scaled(now)
-        self.last_scale = iso(now)
-        pilot.body.setdefault("spec", {})["replicas"] = decision.desired
-        metrics.SCALING_DECISIONS.labels(key.namespace, key.name, direction).inc()
-        pilot.record(scale_record(decision))
-        self.condition = condition("ScalingActive", True, decision.code, decision.reason)
-        await pilot.post_event("Normal", "Scaled", f"replicas {decision.current} -> {decision.desired}: "
-                                                   f"{decision.reason}")
+
+@dataclass(frozen=True)
+class ScalingInputs:
+    now: float
+    spec: ScalingSpec
+    replicas: int  # spec.replicas as it stands
+    summaries: Mapping[str, WindowSummary]  # each pod's window over (now - spec.window, now]
+    pods: Mapping[str, PodState]  # every pod of the service: ready, starting or leaving
+    coordination: Coordination
+    dwell_s: float  # how long a tuning change holds scale-downs
+    recent: Mapping[str, WindowSummary] = field(default_factory=dict)  # each pod's window since the last pass
+    startups: tuple[PodStartup, ...] = ()  # the Ready pods' creation to Ready
+
+
+@dataclass(frozen=True)
+class ScalingStep:
+    state: ScalingState
+    coordination: Coordination
+    scale_to: int | None = None  # the replicas to write through the scale subresource
+    direction: Literal["up", "down"] | None = None  # of that write
+    events: tuple[Event, ...] = ()
+    records: tuple[DecisionRecord, ...] = ()
+
+
+def watch_target(state: ScalingState, inputs: ScalingInputs) -> ScalingStep:
+    """Every mode: `state.unreachable` kept current, and the Warning Event as it begins (an HPA
+    on the same target would not scale either)."""
+    unreachable = out_of_reach(inputs.summaries, inputs.pods, inputs.spec)
+    events = (Event("Warning", "ScalingTargetUnreachable", unreachable),) \
+        if unreachable is not None and state.unreachable is None else ()
+    return ScalingStep(replace(state, unreachable=unreachable), inputs.coordination, events=events)
+
+
+def scale(state: ScalingState, inputs: ScalingInputs) -> ScalingStep:
+    """`mode: builtin`: the replicas the windows ask for, within what coordination allows."""
+    spec, now = inputs.spec, inputs.now
+    watched = watch_target(state, inputs)  # the decision says it too (TargetUnreachable)
+    startup = state.startup.measured(inputs.startups)
+    rates, forecast = look_ahead(state.rates, inputs.recent, inputs.pods, now, spec, startup.seconds)
+    decision = decide_replicas(inputs.summaries, inputs.pods, inputs.replicas, spec, state.behavior, now=now,
+                               forecast=forecast)
+    value = decision.value if decision.value is not None else state.value
+    state = replace(watched.state, value=value, startup=startup, rates=rates, forecast=forecast)
+    direction = decision.direction
+    if direction is not None:
+        turn = inputs.coordination.may_scale(direction, now, inputs.dwell_s)
+        if not turn.allowed:
+            waiting = condition("ScalingActive", True, "WaitingForTuning", f"{decision.reason}; {turn.reason}")
+            return replace(watched, state=replace(state, behavior=decision.state, condition=waiting))
+    state = replace(state, desired=decision.desired)
+    if direction is None:
+        active = condition("ScalingActive", decision.code not in _INACTIVE, decision.code, decision.reason)
+        return replace(watched, state=replace(state, behavior=decision.state, condition=active))
+    scaled = replace(state, behavior=decision.scaled_state, last_scale=now,
+                     condition=condition("ScalingActive", True, decision.code, decision.reason))
+    return ScalingStep(scaled, inputs.coordination.scaled(now), decision.desired, direction,
+                       watched.events + (Event("Normal", "Scaled", f"replicas {decision.current} -> "
+                                                                   f"{decision.desired}: {decision.reason}"),),
+                       (scale_record(decision),))

@@ -10,11 +10,24 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
-BlockSize = Literal[8, 16, 32, 64]
-PreemptionMode = Literal["recompute", "swap"]
+from kvpilot.runtime.tunables import (
+    BLOCK_SIZE,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    PREEMPTION_MODE,
+    PREEMPTION_MODES,
+    SCHEDULER_POLICY,
+)
+
+# the live tunables' values and bounds are the runtime's contract (kvpilot.runtime.tunables)
+BlockSize = Annotated[int, AfterValidator(BLOCK_SIZE.check)]
+PreemptionMode = Annotated[str, AfterValidator(PREEMPTION_MODE.check)]
+SchedulerPolicy = Annotated[str, AfterValidator(SCHEDULER_POLICY.check)]
+MaxNumSeqs = Annotated[int, AfterValidator(MAX_NUM_SEQS.check)]
+MaxNumBatchedTokens = Annotated[int, AfterValidator(MAX_NUM_BATCHED_TOKENS.check)]
 Quantity = int | str
 # The CRD's duration pattern: a count and one unit (30s, 10m, 1h).
 Duration = Annotated[str, StringConstraints(pattern=r"^[0-9]+(s|m|h)$")]
@@ -29,7 +42,7 @@ class ModelSpec(_Model):
     source: str
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
-    quantization: str | None = None
+    quantization: Literal["auto", "fp8", "awq", "gptq"] | None = None  # None: not passed (the runtime's auto)
     served_model_name: str | None = None
 
 
@@ -41,15 +54,15 @@ class ResourcesSpec(_Model):
 
 
 class EngineSpec(_Model):
-    block_size: BlockSize = 16
+    block_size: BlockSize = BLOCK_SIZE.default
     swap_space: float = Field(default=4, ge=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     num_gpu_blocks_override: int | None = None
-    max_num_seqs: int = Field(default=256, ge=1)
-    max_num_batched_tokens: int | None = None
+    max_num_seqs: MaxNumSeqs = MAX_NUM_SEQS.default
+    max_num_batched_tokens: MaxNumBatchedTokens | None = None
     max_model_len: int | None = None
-    preemption_mode: PreemptionMode = "recompute"
-    scheduler_policy: Literal["fcfs", "fair", "priority"] = "fcfs"
+    preemption_mode: PreemptionMode = PREEMPTION_MODE.default
+    scheduler_policy: SchedulerPolicy = SCHEDULER_POLICY.default
     priority_aging: float = Field(default=10, gt=0, le=86400)
     fair_prompt_weight: float = Field(default=1, gt=0, le=1000)
     fair_output_weight: float = Field(default=2, gt=0, le=1000)
@@ -101,7 +114,7 @@ class AutotuneSpec(_Model):
     cooldown: Duration = "10m"
     min_dwell: Duration = "60s"
     allowed_block_sizes: tuple[BlockSize, ...] = (8, 16, 32)
-    allowed_preemption_modes: tuple[PreemptionMode, ...] = ("recompute", "swap")
+    allowed_preemption_modes: tuple[PreemptionMode, ...] = PREEMPTION_MODES
     pressure: EngineTargetSpec = EngineTargetSpec()
     calm: EngineTargetSpec = EngineTargetSpec()
     thresholds: AutotuneThresholds = AutotuneThresholds()
@@ -129,6 +142,12 @@ class BehaviorSpec(_Model):
     scale_down: ScalingRulesSpec = ScalingRulesSpec()
 
 
+class ForecastSpec(_Model):
+    enabled: bool = True
+    horizon: Duration | None = None
+    lookback: Duration | None = None
+
+
 class AutoscalingSpec(_Model):
     enabled: bool = False
     mode: Literal["builtin", "hpa", "keda"] = "builtin"
@@ -141,6 +160,7 @@ class AutoscalingSpec(_Model):
     interval: Duration | None = None
     behavior: BehaviorSpec = BehaviorSpec()
     prometheus_address: str | None = None
+    forecast: ForecastSpec | None = None  # unset: on in mode builtin
 
 
 class SecretKeyRef(_Model):

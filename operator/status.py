@@ -6,7 +6,9 @@ reconcile that changes nothing writes nothing.
 * Ready — every desired replica is ready (False when scaled to zero).
 * Progressing — a rollout or scale is under way.
 * Degraded — the spec cannot work (InvalidSpec), an API error keeps the operator from applying
-  it (ApiError, retried meanwhile), or the Deployment reports it is stuck.
+  it (ApiError, retried meanwhile), a pod's engine exits with an error (EngineFailed: the last
+  line of its termination message, where `kvpilot serve` writes why it could not start, e.g. a
+  quantization the checkpoint contradicts), or the Deployment reports it is stuck.
 * Tuned — owned by the autotuner (the pilot); here only its placeholder while autotune is off or waiting.
 * ScalingActive — the autoscaler can act: its HPA or ScaledObject exists and the APIs it needs
   are served (modes hpa, keda), or the pilot's last decision had metrics (mode builtin).
@@ -21,11 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .manifests import Owner, engine_config, selector_string, service_url
+from .manifests import ENGINE_CONTAINER, Owner, engine_config, selector_string, service_url
 from .model_source import ModelSource
+from .objects import Manifest
 from .spec import InferenceServiceSpec
 
-Manifest = dict[str, Any]
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Tuned", "ScalingActive", "Monitored")
 
 
@@ -92,6 +94,24 @@ def rollout_conditions(deployment: Manifest | None, desired: int) -> list[Manife
     else:
         ready_cond = condition("Ready", False, "ReplicasNotReady", summary)
     return [ready_cond, progressing, degraded]
+
+
+def engine_failure(pods: list[Manifest]) -> Manifest | None:
+    """Degraded/EngineFailed for the first pod (by name) whose engine container is not ready
+    because it exited with an error (now, or before a restart it is waiting on), with the last
+    line of the container's termination message (the log tail: FallbackToLogsOnError); None
+    when no engine failed."""
+    for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("name", "")):
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            if status.get("name") != ENGINE_CONTAINER or status.get("ready"):
+                continue
+            state, last = status.get("state") or {}, status.get("lastState") or {}
+            exited = state.get("terminated") or (last.get("terminated") if "waiting" in state else None)
+            if exited and exited.get("exitCode", 0) != 0:
+                lines = [line.strip() for line in (exited.get("message") or "").splitlines() if line.strip()]
+                why = lines[-1] if lines else f"exit code {exited.get('exitCode')} ({exited.get('reason', 'Error')})"
+                return condition("Degraded", True, "EngineFailed", f"pod {pod['metadata']['name']}: {why}")
+    return None
 
 
 def rollout_complete(deployment: Manifest | None, desired: int) -> bool:

@@ -1,320 +1,369 @@
-"""The autotuner's step in a pilot pass: converge, judge a canary, or decide.
+"""The autotuner's step in a pilot pass: converge, judge a canary, or decide — as two functions
+of explicit inputs and one runner, so the operator's pilot and `kvpilot bench autotune` take the
+same step (only the pods and the clock differ).
 
-* *Config in force*: the service's tuned `LiveConfig`; at first what the pods report
-  (`GET /admin/config`), or what status held when the operator restarted.
-* *Converge*: a Ready pod that reports another block size or preemption mode than the config in
-  force (restarted before its ConfigMap was current, or added by a scale-up) is brought to it
-  with `POST /admin/config`, without touching the others.
-* *Canary*: a change the policy (`autotune.decide`) asks for goes to one pod; `autotune.judge`
-  compares it with the other pods (alone: with its own window before the change) until it
-  promotes the change to every pod (one at a time) or rolls the canary back.
-* *Memory*: what each configuration measured at capacity and what each switch paused the engine
-  for (`autotune.Outcomes`) go into status.tuning with the config, and a restarted operator
-  reloads them, so it neither measures again nor retries what it already found worse. A spec
-  whose model, image, GPUs, placement or engine flags changed drops them (Event
-  TuningOutcomesReset): they held for the old one. Nothing is measured while pods of two pod
-  templates run (a rollout of another spec under way).
-With `apply: rollout` there is no canary: the decision becomes the config in force, and the
-reconcile writes it into the Deployment's flags, which rolls the pods.
+* `plan(state, inputs)`: what this pass does, and the admin calls it needs (`Change`s: bring a
+  pod to a config with `POST /admin/config`; or a read of one pod's config).
+* `execute(plan, admin, endpoints)`: those calls, one at a time; each answer or refusal is a
+  `ChangeResult`.
+* `settle(plan, results, inputs)`: the new state, with the Events, decision records and the
+  decision metric's outcome for the caller to post, record and count.
+`tune` runs the three.
 
+One action a pass:
+* *read*: the config in force is not known yet (a new service): one pod is asked for it
+  (`GET /admin/config`; a reloaded canary's pod runs the target, so another is asked);
+* *converge*: a Ready pod that reports another block size or preemption mode than the config in
+  force (restarted before its ConfigMap was current, or added by a scale-up) is brought to it,
+  the others untouched;
+* *judge*: a change being tried on a canary pod is judged (`autotune.judge`) until it is
+  promoted to every other pod or rolled back; a canary pod that went away ends it (lost);
+* *decide*: the policy (`autotune.decide`) asks for a change, which goes to the least loaded pod
+  as a canary (`apply: live`), or becomes the config in force at once (`apply: rollout`: the
+  reconcile writes it into the Deployment's flags, which rolls the pods).
 A pod that refuses the admin call leaves the service on its previous config: the canary is not
 started (or is rolled back), Tuned turns False with reason AdminCallFailed, and the cooldown
 applies before the next try.
+
+*Memory*: what each configuration measured at capacity and what each switch paused the engine
+for (`autotune.Outcomes`) are kept in the state, and so in status.tuning; a spec whose model,
+image, GPUs, placement or engine flags changed drops them (Event TuningOutcomesReset). Nothing is
+measured while pods of two pod templates run (a rollout of another spec under way).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Literal
 
-from . import metrics
+from kvpilot.runtime.tunables import LiveConfig
+
+from .autoscale.coordination import Coordination
 from .autoscale.history import DecisionRecord, tune_record
 from .autotune.admin import AdminClient, AdminError
 from .autotune.canary import judge
 from .autotune.endpoint import PodEndpoint
-from .autotune.live_config import LiveConfig
-from .autotune.outcomes import Outcomes
-from .autotune.policy import decide
-from .autotune.scrape import ScrapeReport
-from .autotune.tuning_spec import EngineTarget
+from .autotune.engine_limits import EngineLimits
+from .autotune.policy import Decision, decide
+from .autotune.sample import EngineSettings
+from .autotune.tuning_spec import EngineTarget, TuningSpec
+from .autotune.window import MetricWindow, WindowSummary
+from .events import Event
 from .status import condition
-from .timestamps import epoch, iso
+from .tuner_state import Canary, TunerState, knobs, short
 
-if TYPE_CHECKING:
-    from .pilot import Pilot, Pods
-
-logger = logging.getLogger(__name__)
-
-Manifest = dict[str, Any]
-
-
-def _knobs(c: LiveConfig) -> EngineTarget:
-    return EngineTarget(c.block_size, c.preemption_mode)
-
-
-def _short(c: LiveConfig) -> str:
-    return f"block_size {c.block_size}, {c.preemption_mode}"
+Action = Literal["wait", "read", "converge", "canary", "rollout", "promote", "roll_back", "lost"]
+# kvpilot_operator_tuning_decisions_total's outcome label
+Outcome = Literal["canary", "promoted", "rolled_back", "applied", "skipped"]
 
 
 @dataclass(frozen=True)
-class Canary:
+class TuningInputs:
+    now: float
+    spec: TuningSpec
+    limits: EngineLimits
+    basis: Mapping[str, str]  # what measured outcomes hold for (pilot_spec.measurement_basis)
+    windows: Mapping[str, MetricWindow]  # each scraped pod's window
+    reported: Mapping[str, EngineSettings]  # this pass's scrape: the settings each Ready pod reports
+    endpoints: Mapping[str, PodEndpoint]  # the Ready pods scraped this pass
+    coordination: Coordination
+    dwell_s: float  # how long a scale event pauses tuning
+    num_templates: int = 1  # pod templates serving: more than one while a rollout replaces the pods
+    num_failures: int = 0  # pods that could not be scraped this pass
+
+    def summaries(self, since: float | None = None, until: float | None = None) -> dict[str, WindowSummary]:
+        out = {pod: w.summarize(since, until) for pod, w in self.windows.items()}
+        return {pod: s for pod, s in out.items() if s is not None}
+
+
+@dataclass(frozen=True)
+class Change:
+    """An admin call: bring `pod` to `target` (`None`: only read its config)."""
+
     pod: str
-    since: float
-    target: LiveConfig
-    previous: LiveConfig | None  # None: read back from a status that did not keep it (then the config in force)
-    reason: str
-    reloaded: bool = False  # read back from status by a restarted operator: its windows before that are lost
-
-    def to_status(self) -> Manifest:
-        out = {"pod": self.pod, "since": iso(self.since), "target": self.target.to_status(),
-               "reason": _cut(self.reason)}
-        return out if self.previous is None else {**out, "previous": self.previous.to_status()}
-
-    @classmethod
-    def from_status(cls, status: Manifest | None) -> Canary | None:
-        """The canary an earlier operator left in status.tuning.canary, or None."""
-        status = status or {}
-        since, target = epoch(status.get("since")), LiveConfig.from_status(status.get("target"))
-        if not status.get("pod") or since is None or target is None:
-            return None
-        return cls(str(status["pod"]), since, target, LiveConfig.from_status(status.get("previous")),
-                   str(status.get("reason") or ""), reloaded=True)
+    target: LiveConfig | None
 
 
-def _cut(text: str, limit: int = 1024) -> str:
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+@dataclass(frozen=True)
+class ChangeResult:
+    pod: str
+    config: LiveConfig | None  # what the pod runs after the call; None: it failed
+    error: str = ""
+    before: LiveConfig | None = None  # what it ran before a change
+    duration_s: float = 0.0  # how long the engine took to apply it (its own account)
+    pause_s: float | None = None  # a block-size change: the engine's own pause (relayout.pause_ms)
 
 
-class Tuner:
-    def __init__(self, pilot: Pilot, status: Manifest, tuned: LiveConfig | None) -> None:
-        """`status`: status.tuning as an earlier operator left it; `tuned`: the tuned config it
-        left (the ConfigMap's or status's: `reconcile.recorded_tuned`)."""
-        self.pilot = pilot
-        # `tuned`: the config tuning chose (what the ConfigMap or the flags carry); `config`: the
-        # one in force, the pods' own until tuning first changes it.
-        self.tuned: LiveConfig | None = tuned
-        self.config: LiveConfig | None = self.tuned
-        self.last_change = epoch(status.get("lastChangeTime"))
-        # a canary in progress when the operator stopped is judged on (or rolled back) by this one
-        self.canary: Canary | None = Canary.from_status(status.get("canary"))
-        if self.canary is not None:
-            pilot.coordination = pilot.coordination.tuning_started()
-        self.pods: dict[str, tuple[int, str]] = {}
-        self.condition: Manifest | None = None
-        self.attempted: float | None = None  # a failed admin call: the cooldown runs from it
-        self.outcomes = Outcomes.from_status(status)  # what an earlier operator measured
-        self.observed: float | None = None  # the end of the span last fed to `outcomes`
+@dataclass(frozen=True)
+class Plan:
+    state: TunerState  # after this pass's bookkeeping (pods reported, outcomes observed)
+    action: Action
+    changes: tuple[Change, ...] = ()
+    decision: Decision | None = None
+    reason: str = ""  # a verdict's reason (promote, roll_back)
+    events: tuple[Event, ...] = ()
 
-    def status(self) -> Manifest:
-        out: Manifest = {"pods": [{"pod": p, "blockSize": b, "preemptionMode": m}
-                                  for p, (b, m) in sorted(self.pods.items())]}
-        if self.tuned is not None:
-            out["config"] = self.tuned.to_status()
-        # None when there is none: the status patch then removes the last one
-        out["canary"] = None if self.canary is None else self.canary.to_status()
-        if self.last_change is not None:
-            out["lastChangeTime"] = iso(self.last_change)
-        return {**out, **self.outcomes.to_status()}
 
-    def _set(self, status: bool | None, reason: str, message: str) -> None:
-        self.condition = condition("Tuned", status, reason, message)
+@dataclass(frozen=True)
+class TuningStep:
+    state: TunerState
+    coordination: Coordination
+    events: tuple[Event, ...] = ()
+    records: tuple[DecisionRecord, ...] = ()
+    outcome: Outcome | None = None
+    action: Action = "wait"
+    calls: tuple[ChangeResult, ...] = ()  # the admin calls the pass made, with their answers
 
-    async def step(self, now: float, pods: Pods, report: ScrapeReport) -> None:
-        spec = self.pilot.settings.tuning
-        changed = self.outcomes.rebase(dict(self.pilot.settings.basis))
-        if changed:
-            self.observed = None  # windows scraped so far ran under the old basis
-            await self.pilot.post_event("Normal", "TuningOutcomesReset",
-                                        "measured outcomes and switch pauses dropped, they were measured under "
-                                        f"another spec: {'; '.join(changed)}")
-        endpoints = {e.pod: e for e in pods.endpoints if e.pod in report.samples}
-        self.pods = {p: (s.settings.block_size, s.settings.preemption_mode) for p, s in report.samples.items()}
-        # while a rollout runs pods of two specs, their windows are no configuration's capacity
-        if self.observed is not None and len(pods.templates) <= 1:
-            self.outcomes.observe(self.pilot.scraper.summaries(since=self.observed), spec.thresholds,
-                                  last_change=self.last_change)
-        self.observed = now
-        if not endpoints:
-            self._set(None, "AwaitingMetrics", f"no Ready pod could be scraped ({len(report.failures)} failed)")
-            return
-        admin = AdminClient(self.pilot.session, await self.pilot.admin_token(), timeout_s=10, attempts=3,
-                            backoff_s=0.2)
-        if self.config is None:
-            # the pods' own config; a reloaded canary's pod runs the target, so another is asked
-            others = [p for p in endpoints if self.canary is None or p != self.canary.pod]
-            try:
-                self.config = await admin.get_config(endpoints[min(others or endpoints)])
-            except AdminError as exc:
-                self._set(False, "AdminCallFailed", str(exc))
-                return
-        if self.canary is not None and self.canary.previous is None:
-            self.canary = dataclasses.replace(self.canary, previous=self.config)
-        if spec.apply == "rollout":
-            await self._decide(now, endpoints, admin)
-            return
-        if self.canary is not None:
-            await self._judge(now, endpoints, admin)
-            return
-        if not await self._converge(endpoints, admin):
-            return
-        await self._decide(now, endpoints, admin)
 
-    async def _converge(self, endpoints: dict[str, PodEndpoint], admin: AdminClient) -> bool:
-        """Bring every pod to the config in force; False when one refused (the condition says so)."""
-        assert self.config is not None
-        for pod, settings in sorted(self.pods.items()):
-            if pod in endpoints and settings != (self.config.block_size, self.config.preemption_mode):
-                try:
-                    await self._apply(admin, endpoints[pod], self.config)
-                except AdminError as exc:
-                    self._set(False, "AdminCallFailed", f"could not bring pod {pod} to the config in force: {exc}")
-                    await self.pilot.post_event("Warning", "AdminCallFailed", str(exc))
-                    return False
-                self.pods[pod] = (self.config.block_size, self.config.preemption_mode)
-                await self.pilot.post_event("Normal", "TuningConverged",
-                                            f"pod {pod} brought to the service's {_short(self.config)}")
-        return True
+def _tuned(status: bool | None, reason: str, message: str) -> dict[str, str]:
+    return condition("Tuned", status, reason, message)
 
-    async def _apply(self, admin: AdminClient, endpoint: PodEndpoint, target: LiveConfig) -> LiveConfig:
-        current = await admin.get_config(endpoint)
-        changes = current.changes_to(target)
-        if not changes:
-            return current
-        applied = await admin.apply(endpoint, changes)
-        if applied.relayout_pause_s is not None:
-            self.outcomes.record_pause(_knobs(current), _knobs(applied.config), applied.relayout_pause_s)
-        return applied.config
 
-    async def _decide(self, now: float, endpoints: dict[str, PodEndpoint], admin: AdminClient) -> None:
-        pilot, spec = self.pilot, self.pilot.settings.tuning
-        assert self.config is not None
-        turn = pilot.coordination.may_tune(now, pilot.settings.dwell_s)
-        if not turn.allowed:
-            self._set(True if self.condition is None else self.condition["status"] == "True",
-                      "WaitingForScaling", turn.reason)
-            return
-        last = max((t for t in (self.last_change, self.attempted) if t is not None), default=None)
-        summaries = pilot.scraper.summaries(since=now - spec.min_dwell_s)
-        decision = decide(summaries, self.config, spec, pilot.settings.limits, now=now, last_change=last,
-                          measured=self.outcomes.measured(spec.canary.window_s), pauses=self.outcomes.pauses())
-        if decision.target is None:
-            metrics.TUNING_DECISIONS.labels(*self._labels, "skipped").inc()
-            waiting = decision.signals is None
-            if self.condition is None or self.condition["reason"] in ("AwaitingMetrics", "ConfigHolds") \
-                    or not waiting:
-                self._set(None if waiting and self.last_change is None else True,
-                          "AwaitingMetrics" if waiting and self.last_change is None else "ConfigHolds",
-                          decision.reason)
-            return
-        record = tune_record(decision, now)
-        if spec.apply == "rollout":
-            self.config = self.tuned = decision.target
-            self.last_change = now
-            metrics.TUNING_DECISIONS.labels(*self._labels, "applied").inc()
-            pilot.record(record)
-            pilot.coordination = pilot.coordination.tuning_settled(now)
-            self._set(True, "RollingOut", f"{_short(decision.target)} goes into the Deployment's flags: "
-                                          f"{decision.reason}")
-            await pilot.post_event("Normal", "Tuned", f"rolling out {_short(decision.target)}: {decision.reason}")
-            return
-        pod = min(endpoints, key=lambda p: (self._load(p), p))
+def plan(state: TunerState, inputs: TuningInputs) -> Plan:
+    spec, now = inputs.spec, inputs.now
+    outcomes, events = state.outcomes.copy(), []
+    observed = state.observed
+    if changed := outcomes.rebase(dict(inputs.basis)):
+        observed = None  # windows scraped so far ran under the old basis
+        events.append(Event("Normal", "TuningOutcomesReset", "measured outcomes and switch pauses dropped, they "
+                                                             f"were measured under another spec: {'; '.join(changed)}"))
+    # while a rollout runs pods of two specs, their windows are no configuration's capacity
+    if observed is not None and inputs.num_templates <= 1:
+        outcomes.observe(inputs.summaries(since=observed), spec.thresholds, last_change=state.last_change)
+    pods = {p: EngineTarget(s.block_size, s.preemption_mode) for p, s in inputs.reported.items()}
+    state = replace(state, outcomes=outcomes, observed=now, pods=pods)
+    endpoints = inputs.endpoints
+    if not endpoints:
+        message = f"no Ready pod could be scraped ({inputs.num_failures} failed)"
+        return Plan(replace(state, condition=_tuned(None, "AwaitingMetrics", message)), "wait", events=tuple(events))
+    if state.config is None:
+        others = [p for p in endpoints if state.canary is None or p != state.canary.pod]
+        return Plan(state, "read", (Change(min(others or endpoints), None),), events=tuple(events))
+    if state.canary is not None and state.canary.previous is None:  # reloaded from a status without it
+        state = replace(state, canary=replace(state.canary, previous=state.config))
+    if spec.apply == "live" and state.canary is not None:
+        return replace(_judge(state, inputs), events=tuple(events))
+    config = state.config
+    assert config is not None  # read above
+    drift = [Change(p, config) for p, k in sorted(pods.items()) if p in endpoints and k != knobs(config)]
+    if spec.apply == "live" and drift:
+        return Plan(state, "converge", tuple(drift), events=tuple(events))
+    return replace(_decide(state, inputs), events=tuple(events))
+
+
+def _decide(state: TunerState, inputs: TuningInputs) -> Plan:
+    spec, now, config = inputs.spec, inputs.now, state.config
+    assert config is not None
+    turn = inputs.coordination.may_tune(now, inputs.dwell_s)
+    if not turn.allowed:
+        held = True if state.condition is None else state.condition["status"] == "True"
+        return Plan(replace(state, condition=_tuned(held, "WaitingForScaling", turn.reason)), "wait")
+    last = max((t for t in (state.last_change, state.attempted) if t is not None), default=None)
+    decision = decide(inputs.summaries(since=now - spec.min_dwell_s), config, spec, inputs.limits, now=now,
+                      last_change=last, measured=state.outcomes.measured(spec.canary.window_s),
+                      pauses=state.outcomes.pauses())
+    if decision.target is None:
+        waiting = decision.signals is None
+        if state.condition is None or state.condition["reason"] in ("AwaitingMetrics", "ConfigHolds") \
+                or not waiting:
+            first = waiting and state.last_change is None
+            state = replace(state, condition=_tuned(None if first else True,
+                                                    "AwaitingMetrics" if first else "ConfigHolds", decision.reason))
+        return Plan(state, "wait", decision=decision)
+    if spec.apply == "rollout":
+        return Plan(state, "rollout", decision=decision)
+    pod = min(inputs.endpoints, key=lambda p: (_load(inputs.windows.get(p)), p))
+    return Plan(state, "canary", (Change(pod, decision.target),), decision=decision)
+
+
+def _load(window: MetricWindow | None) -> float:
+    sample = window.latest if window is not None else None
+    return 0.0 if sample is None else sample.gauges["num_running_seqs"] + sample.gauges["num_waiting_seqs"]
+
+
+def _judge(state: TunerState, inputs: TuningInputs) -> Plan:
+    spec, canary, endpoints = inputs.spec, state.canary, inputs.endpoints
+    assert canary is not None and canary.previous is not None
+    if canary.pod not in endpoints:
+        return Plan(state, "lost")
+    since = inputs.summaries(since=canary.since)
+    baseline = [s for p, s in since.items() if p != canary.pod]
+    rollback = (Change(canary.pod, canary.previous),)
+    if not baseline and canary.reloaded and not set(endpoints) - {canary.pod}:
+        # alone, a canary is judged against its own window before the change, which went with
+        # the operator that started it: nothing fair is left to judge it on
+        return Plan(state, "roll_back", rollback, reason="the operator restarted during the canary and the window "
+                                                         "before the change, which a lone canary is judged "
+                                                         "against, was lost")
+    if not baseline and (window := inputs.windows.get(canary.pod)) is not None:
+        before = window.summarize(since=canary.since - spec.canary.window_s, until=canary.since)
+        baseline = [before] if before is not None else []
+    verdict = judge(since.get(canary.pod), baseline, canary.target, spec, elapsed_s=inputs.now - canary.since)
+    if verdict.verdict == "promote":
+        others = tuple(Change(p, canary.target) for p in sorted(endpoints) if p != canary.pod)
+        return Plan(state, "promote", others, reason=verdict.reason)
+    if verdict.verdict == "rollback":
+        return Plan(state, "roll_back", rollback, reason=verdict.reason)
+    message = f"pod {canary.pod} tries {short(canary.target)}: {verdict.reason}"
+    return Plan(replace(state, condition=_tuned(None, "CanaryInProgress", message)), "wait")
+
+
+async def execute(plan: Plan, admin: AdminClient | None, endpoints: Mapping[str, PodEndpoint]) -> list[ChangeResult]:
+    """The plan's admin calls, one pod at a time; a refusal or an unreachable pod is a result too."""
+    results = []
+    for change in plan.changes:
+        if admin is None:
+            raise ValueError("admin: the plan calls pods, an admin client is needed")
+        endpoint = endpoints[change.pod]
         try:
-            await self._apply(admin, endpoints[pod], decision.target)
+            current = await admin.get_config(endpoint)
+            if change.target is None or not (body := current.changes_to(change.target)):
+                results.append(ChangeResult(change.pod, current))
+                continue
+            applied = await admin.apply(endpoint, body)
         except AdminError as exc:
-            self.attempted = now
-            message = f"the canary change to {_short(decision.target)} was refused; the service stays on " \
-                      f"{_short(self.config)}: {exc}"
-            self._set(False, "AdminCallFailed", message)
-            await pilot.post_event("Warning", "AdminCallFailed", message)
-            return
-        self.canary = Canary(pod, now, decision.target, self.config, decision.reason)
-        pilot.coordination = pilot.coordination.tuning_started()
-        metrics.TUNING_DECISIONS.labels(*self._labels, "canary").inc()
-        pilot.record(dataclasses.replace(record, reason=f"canary on pod {pod}: {decision.reason}"))
-        self._set(None, "CanaryInProgress", f"pod {pod} tries {_short(decision.target)}: {decision.reason}")
-        await pilot.post_event("Normal", "TuningCanary", f"pod {pod} tries {_short(decision.target)} "
-                                                         f"(from {_short(self.config)}): {decision.reason}")
+            results.append(ChangeResult(change.pod, None, str(exc)))
+            continue
+        results.append(ChangeResult(change.pod, applied.config, before=current, duration_s=applied.duration_s,
+                                    pause_s=applied.relayout_pause_s))
+    return results
 
-    def _load(self, pod: str) -> float:
-        window = self.pilot.scraper.windows.get(pod)
-        sample = window.latest if window is not None else None
-        return 0.0 if sample is None else sample.gauges["num_running_seqs"] + sample.gauges["num_waiting_seqs"]
 
-    async def _judge(self, now: float, endpoints: dict[str, PodEndpoint], admin: AdminClient) -> None:
-        pilot, spec, canary = self.pilot, self.pilot.settings.tuning, self.canary
-        assert canary is not None and canary.previous is not None
-        if canary.pod not in endpoints:
-            message = f"canary pod {canary.pod} went away; the service stays on {_short(canary.previous)}"
-            self._settle(now, DecisionRecord(now, "tune", _short(canary.target), _short(canary.previous), message))
-            self._set(True, "CanaryLost", message)
-            await pilot.post_event("Warning", "TuningCanaryLost", message)
-            return
-        since = pilot.scraper.summaries(since=canary.since)
-        baseline = [s for p, s in since.items() if p != canary.pod]
-        if not baseline and canary.reloaded and not (set(endpoints) - {canary.pod}):
-            # alone, a canary is judged against its own window before the change, which went
-            # with the operator that started it: nothing fair is left to judge it on
-            await self._roll_back(now, endpoints, admin, "the operator restarted during the canary and the "
-                                                         "window before the change, which a lone canary is "
-                                                         "judged against, was lost")
-            return
-        if not baseline and (window := pilot.scraper.windows.get(canary.pod)) is not None:
-            before = window.summarize(since=canary.since - spec.canary.window_s, until=canary.since)
-            baseline = [before] if before is not None else []
-        verdict = judge(since.get(canary.pod), baseline, canary.target, spec, elapsed_s=now - canary.since)
-        if verdict.verdict == "wait":
-            self._set(None, "CanaryInProgress", f"pod {canary.pod} tries {_short(canary.target)}: {verdict.reason}")
-        elif verdict.verdict == "promote":
-            await self._promote(now, endpoints, admin, verdict.reason)
-        else:
-            await self._roll_back(now, endpoints, admin, verdict.reason)
+async def tune(state: TunerState, inputs: TuningInputs, admin: AdminClient | None) -> TuningStep:
+    """One pass: plan, call the pods, settle."""
+    step = plan(state, inputs)
+    return settle(step, await execute(step, admin, inputs.endpoints), inputs)
 
-    def _settle(self, now: float, record: DecisionRecord) -> None:
-        """The canary ends: the change and its verdict go into the history."""
-        self.canary, self.last_change = None, now
-        self.pilot.coordination = self.pilot.coordination.tuning_settled(now)
-        self.pilot.record(record)
 
-    async def _promote(self, now: float, endpoints: dict[str, PodEndpoint], admin: AdminClient, why: str) -> None:
-        pilot, canary = self.pilot, self.canary
-        assert canary is not None and canary.previous is not None
-        self._settle(now, DecisionRecord(now, "tune", _short(canary.previous), _short(canary.target),
-                                         f"promoted from pod {canary.pod}: {why}"))
-        failed = []
-        for pod in sorted(p for p in endpoints if p != canary.pod):
-            try:
-                await self._apply(admin, endpoints[pod], canary.target)
-                self.pods[pod] = (canary.target.block_size, canary.target.preemption_mode)
-            except AdminError as exc:
-                failed.append(str(exc))
-        self.config = self.tuned = canary.target
-        self.pods[canary.pod] = (canary.target.block_size, canary.target.preemption_mode)
-        metrics.TUNING_DECISIONS.labels(*self._labels, "promoted").inc()
-        message = f"{_short(canary.target)} promoted from pod {canary.pod} to every pod: {why}"
-        if failed:  # the next passes converge them
-            self._set(False, "AdminCallFailed", f"{message}; not yet on: {'; '.join(failed)}")
-        else:
-            self._set(True, "Promoted", message)
-        await pilot.post_event("Normal", "TuningPromoted", message)
+def settle(plan: Plan, results: list[ChangeResult], inputs: TuningInputs) -> TuningStep:
+    state, now, coordination = plan.state, inputs.now, inputs.coordination
+    outcomes = state.outcomes
+    pods = dict(state.pods)
+    for r in results:
+        if r.config is not None:
+            pods[r.pod] = knobs(r.config)
+        if r.pause_s is not None and r.before is not None and r.config is not None:
+            outcomes = outcomes.copy() if outcomes is state.outcomes else outcomes
+            outcomes.record_pause(knobs(r.before), knobs(r.config), r.pause_s)
+    state = replace(state, pods=pods, outcomes=outcomes)
+    failed = [r for r in results if r.config is None]
+    step = TuningStep(state, coordination, plan.events, action=plan.action, calls=tuple(results))
+    return _SETTLE[plan.action](step, plan, results, failed, now)
 
-    async def _roll_back(self, now: float, endpoints: dict[str, PodEndpoint], admin: AdminClient, why: str) -> None:
-        pilot, canary = self.pilot, self.canary
-        assert canary is not None and canary.previous is not None
-        self._settle(now, DecisionRecord(now, "tune", _short(canary.target), _short(canary.previous),
-                                         f"rolled back on pod {canary.pod}: {why}"))
-        try:
-            await self._apply(admin, endpoints[canary.pod], canary.previous)
-            self.pods[canary.pod] = (canary.previous.block_size, canary.previous.preemption_mode)
-        except AdminError as exc:  # the next pass converges it
-            logger.warning(f"rolling back canary pod {canary.pod}: {exc}")
-        metrics.TUNING_DECISIONS.labels(*self._labels, "rolled_back").inc()
-        metrics.TUNING_ROLLBACKS.labels(*self._labels).inc()
-        message = f"pod {canary.pod} back to {_short(canary.previous)}: {why}"
-        self._set(True, "RolledBack", message)
-        await pilot.post_event("Warning", "TuningRolledBack", message)
 
-    @property
-    def _labels(self) -> tuple[str, str]:
-        return self.pilot.key.namespace, self.pilot.key.name
+def _add(step: TuningStep, *, events: tuple[Event, ...] = (), records: tuple[DecisionRecord, ...] = (),
+         **changes: object) -> TuningStep:
+    return replace(step, events=step.events + events, records=step.records + records, **changes)  # type: ignore[arg-type]
+
+
+def _settle_wait(step: TuningStep, plan: Plan, results: list[ChangeResult], failed: list[ChangeResult],
+                 now: float) -> TuningStep:
+    return replace(step, outcome="skipped" if plan.decision is not None else None)
+
+
+def _settle_read(step: TuningStep, plan: Plan, results: list[ChangeResult], failed: list[ChangeResult],
+                 now: float) -> TuningStep:
+    state = step.state
+    if failed:
+        return replace(step, state=replace(state, condition=_tuned(False, "AdminCallFailed", failed[0].error)))
+    config = results[0].config
+    canary = state.canary
+    if canary is not None and canary.previous is None:
+        canary = replace(canary, previous=config)
+    return replace(step, state=replace(state, config=config, canary=canary))
+
+
+def _settle_converge(step: TuningStep, plan: Plan, results: list[ChangeResult], failed: list[ChangeResult],
+                     now: float) -> TuningStep:
+    config = step.state.config
+    assert config is not None
+    events = tuple(Event("Normal", "TuningConverged", f"pod {r.pod} brought to the service's {short(config)}")
+                   for r in results if r.config is not None)
+    if failed:
+        message = f"could not bring pod {failed[0].pod} to the config in force: {failed[0].error}"
+        return _add(step, events=events + (Event("Warning", "AdminCallFailed", failed[0].error),),
+                    state=replace(step.state, condition=_tuned(False, "AdminCallFailed", message)))
+    return _add(step, events=events)
+
+
+def _settle_canary(step: TuningStep, plan: Plan, results: list[ChangeResult], failed: list[ChangeResult],
+                   now: float) -> TuningStep:
+    decision, state = plan.decision, step.state
+    assert decision is not None and decision.target is not None and state.config is not None
+    target, pod = decision.target, plan.changes[0].pod
+    if failed:
+        message = (f"the canary change to {short(target)} was refused; the service stays on "
+                   f"{short(state.config)}: {failed[0].error}")
+        return _add(step, events=(Event("Warning", "AdminCallFailed", message),),
+                    state=replace(state, attempted=now, condition=_tuned(False, "AdminCallFailed", message)))
+    record = dataclasses.replace(tune_record(decision, now), reason=f"canary on pod {pod}: {decision.reason}")
+    message = f"pod {pod} tries {short(target)}: {decision.reason}"
+    event = Event("Normal", "TuningCanary", f"pod {pod} tries {short(target)} (from {short(state.config)}): "
+                                            f"{decision.reason}")
+    state = replace(state, canary=Canary(pod, now, target, state.config, decision.reason),
+                    condition=_tuned(None, "CanaryInProgress", message))
+    return _add(step, state=state, coordination=step.coordination.tuning_started(), outcome="canary",
+                records=(record,), events=(event,))
+
+
+def _settle_rollout(step: TuningStep, plan: Plan, results: list[ChangeResult], failed: list[ChangeResult],
+                    now: float) -> TuningStep:
+    decision = plan.decision
+    assert decision is not None and decision.target is not None
+    target = decision.target
+    message = f"{short(target)} goes into the Deployment's flags: {decision.reason}"
+    state = replace(step.state, config=target, tuned=target, last_change=now,
+                    condition=_tuned(True, "RollingOut", message))
+    return _add(step, state=state, coordination=step.coordination.tuning_settled(now), outcome="applied",
+                records=(tune_record(decision, now),),
+                events=(Event("Normal", "Tuned", f"rolling out {short(target)}: {decision.reason}"),))
+
+
+def _ended(step: TuningStep, now: float, record: DecisionRecord, **changes: object) -> TuningStep:
+    """The canary ends: the change and its verdict go into the history."""
+    state = replace(step.state, canary=None, last_change=now, **changes)  # type: ignore[arg-type]
+    return _add(step, state=state, coordination=step.coordination.tuning_settled(now), records=(record,))
+
+
+def _settle_promote(step: TuningStep, plan: Plan, results: list[ChangeResult], failed: list[ChangeResult],
+                    now: float) -> TuningStep:
+    canary = step.state.canary
+    assert canary is not None and canary.previous is not None
+    message = f"{short(canary.target)} promoted from pod {canary.pod} to every pod: {plan.reason}"
+    tuned = (_tuned(False, "AdminCallFailed", f"{message}; not yet on: {'; '.join(r.error for r in failed)}")
+             if failed else _tuned(True, "Promoted", message))  # the next passes converge those
+    pods = {**step.state.pods, canary.pod: knobs(canary.target)}
+    record = DecisionRecord(now, "tune", short(canary.previous), short(canary.target),
+                            f"promoted from pod {canary.pod}: {plan.reason}")
+    step = _ended(step, now, record, config=canary.target, tuned=canary.target, pods=pods, condition=tuned)
+    return _add(step, outcome="promoted", events=(Event("Normal", "TuningPromoted", message),))
+
+
+def _settle_roll_back(step: TuningStep, plan: Plan, results: list[ChangeResult], failed: list[ChangeResult],
+                      now: float) -> TuningStep:
+    canary = step.state.canary
+    assert canary is not None and canary.previous is not None
+    message = f"pod {canary.pod} back to {short(canary.previous)}: {plan.reason}"
+    if failed:  # the next passes converge it
+        message = f"{message}; the pod has not taken it yet: {failed[0].error}"
+    record = DecisionRecord(now, "tune", short(canary.target), short(canary.previous),
+                            f"rolled back on pod {canary.pod}: {plan.reason}")
+    step = _ended(step, now, record, condition=_tuned(True, "RolledBack", message))
+    return _add(step, outcome="rolled_back", events=(Event("Warning", "TuningRolledBack", message),))
+
+
+def _settle_lost(step: TuningStep, plan: Plan, results: list[ChangeResult], failed: list[ChangeResult],
+                 now: float) -> TuningStep:
+    canary = step.state.canary
+    assert canary is not None and canary.previous is not None
+    message = f"canary pod {canary.pod} went away; the service stays on {short(canary.previous)}"
+    step = _ended(step, now, DecisionRecord(now, "tune", short(canary.target), short(canary.previous), message),
+                  condition=_tuned(True, "CanaryLost", message))
+    return _add(step, events=(Event("Warning", "TuningCanaryLost", message),))
+
+
+_SETTLE = {"wait": _settle_wait, "read": _settle_read, "converge": _settle_converge, "canary": _settle_canary,
+           "rollout": _settle_rollout, "promote": _settle_promote, "roll_back": _settle_roll_back,
+           "lost": _settle_lost}

@@ -29,13 +29,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `command`, only that subcommand's module is imported for its flags (the
+    others' take time that `kvpilot serve`'s start would wait for: the operator's pulls pydantic)."""
     parser = _Parser(prog="kvpilot", description="LLM serving for Kubernetes.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         sub.set_defaults(_module=module)
-        import_module(module).add_arguments(sub)
+        if command is None or name == command:
+            import_module(module).add_arguments(sub)
     return parser
 
 
@@ -44,7 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # get 2 MiB pages. The CPU engine streams every weight each decode step, and fewer TLB misses
     # make that stream quicker.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -29,14 +29,19 @@ class Tokenizer:
         self._token_texts: dict[int, str] = {}  # convert_id's: at most one entry a vocabulary id
 
     def _eos_ids(self, folder: Path) -> set[int]:
-        ids: set[int] = set()
+        ids = self.generation_eos_ids(folder)
         if self.hf.eos_token_id is not None:
             ids.add(int(self.hf.eos_token_id))
-        gen = folder / "generation_config.json"
-        if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
         return ids
+
+    @staticmethod
+    def generation_eos_ids(folder: Path) -> set[int]:
+        """The end-of-sequence ids generation_config.json names."""
+        gen = folder / "generation_config.json"
+        if not gen.is_file():
+            return set()
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        return set([eos] if isinstance(eos, int) else (eos or []))
 
     @functools.cached_property
     def max_token_chars(self) -> int | None:
@@ -96,6 +101,29 @@ class Tokenizer:
             seq.text += new
             return new
         return ""
+
+
+def eos_token_ids(folder: str) -> set[int]:
+    """`Tokenizer(folder).eos_token_ids`, from the folder's files without loading the tokenizer (which
+    imports transformers: seconds that `kvpilot serve`'s engine core, given token ids only, would
+    spend before it is ready): the eos token of tokenizer_config.json looked up as the tokenizer
+    looks it up (added tokens, then the vocabulary of tokenizer.json), plus generation_config.json's.
+    Folders laid out otherwise load the tokenizer."""
+    path = Path(folder)
+    try:
+        eos = json.loads((path / "tokenizer_config.json").read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        fast = json.loads((path / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return Tokenizer(folder).eos_token_ids
+    ids: set[int] = set()
+    if eos is not None:
+        by_token = {t["content"]: t["id"] for t in fast.get("added_tokens", [])}
+        found = by_token.get(eos, (fast.get("model") or {}).get("vocab", {}).get(eos))
+        if not isinstance(found, int):
+            return Tokenizer(folder).eos_token_ids
+        ids.add(found)
+    return ids | Tokenizer.generation_eos_ids(path)
 
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer | None:

@@ -3,8 +3,9 @@ from a lower layer to a higher one.
 
 `LAYERS` is the architecture, lowest first; a module may import its own layer and the layers
 below it. Every module of the four packages must sit in exactly one row, so a new module is
-placed on purpose. Imports under `if TYPE_CHECKING:` do not run and are not counted; imports
-inside functions do run and are counted.
+placed on purpose. Imports inside functions run and are counted everywhere. Imports under
+`if TYPE_CHECKING:` do not run: an arrow of theirs may point up a layer (an annotation names a
+type of a higher layer), but they still count as coupling, so no cycle may go through them either.
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ PACKAGES = {"kvpilot.kernels": "kernels", "kvpilot.runtime": "runtime", "kvpilot
 
 # (layer, module prefixes it holds, layers it may import besides its own and those listed before it)
 RUNTIME_LAYERS: list[tuple[str, list[str]]] = [
+    # the live tunables, spelled once: the runtime and the operator both import it
+    ("tunables contract", ["kvpilot.runtime.tunables"]),
     ("kernels", ["kvpilot.kernels"]),
-    ("runtime base", ["kvpilot.runtime.config", "kvpilot.runtime.args", "kvpilot.runtime.sampling_params",
+    ("runtime base", ["kvpilot.runtime.config", "kvpilot.runtime.arg_types", "kvpilot.runtime.args",
+                      "kvpilot.runtime.sampling_params",
                       "kvpilot.runtime.outputs", "kvpilot.runtime.model_source", "kvpilot.runtime.errors",
-                      "kvpilot.runtime.tokenizer"]),
+                      "kvpilot.runtime.tokenizer", "kvpilot.runtime.quantization", "kvpilot.runtime.startup",
+                      "kvpilot.runtime.cuda_probe", "kvpilot.runtime.caches"]),
     # tensors: the engine core process (and tensor-parallel workers); the runner knows no Sequence
     ("executor", ["kvpilot.runtime.executor"]),
     # the engine's bookkeeping, torch-free
@@ -39,23 +44,26 @@ RUNTIME_LAYERS: list[tuple[str, list[str]]] = [
 ]
 # Products beside the runtime, with everything of kvpilot's they may import (besides themselves).
 SEPARATE: dict[str, tuple[list[str], set[str]]] = {
-    "operator": (["kvpilot.operator"], set()),  # runs without torch, in its own image
+    # runs without torch, in its own image; of the runtime it reads only the tunables' contract
+    "operator": (["kvpilot.operator"], {"tunables contract"}),
     # fleet simulations drive the operator's policies; `bench throughput` runs the offline engine and
     # `bench autotune` starts `kvpilot serve` with the runtime's own flag parser
-    "bench": (["kvpilot.bench"], {"operator", "runtime base", "front doors"}),
+    "bench": (["kvpilot.bench"], {"operator", "tunables contract", "runtime base", "front doors"}),
 }
 # Third-party packages a layer never imports (directly), and why.
 FORBIDDEN = {
     "operator": {"torch", "triton", "transformers"},  # the operator image has none of them
-    "bench": {"triton", "transformers"},  # torch only in `bench throughput` (its copy-rate probe)
+    # torch only in `bench throughput` (its copy-rate probe) and `bench startup` (writing a checkpoint)
+    "bench": {"triton", "transformers"},
     "kernels": {"transformers"},
+    "tunables contract": {"torch", "triton", "transformers", "pydantic", "numpy"},  # plain Python
 }
 # Modules that must stay torch-free (their tests run with torch blocked).
 TORCH_FREE = ["kvpilot.runtime.sched.scheduler", "kvpilot.runtime.sched.block_manager",
               "kvpilot.runtime.sched.sequence", "kvpilot.runtime.engine.step_inputs",
               "kvpilot.runtime.sched.policies", "kvpilot.runtime.sched.host_blocks",
-              "kvpilot.runtime.sched.relayout",
-              "kvpilot.runtime.executor.inputs", "kvpilot.runtime.cli"]
+              "kvpilot.runtime.sched.relayout", "kvpilot.runtime.engine.warm_up",
+              "kvpilot.runtime.executor.inputs", "kvpilot.runtime.cli", "kvpilot.runtime.quantization"]
 
 LAYER_ORDER = [name for name, _ in RUNTIME_LAYERS]
 
@@ -75,13 +83,15 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imports_of(module: str, path: Path, known: set[str] | frozenset[str] = frozenset()) -> set[str]:
-    """Every module name `module` imports when it runs (absolute, relative resolved); `known`
-    tells `from package import module` from `from module import name`."""
+def imports_of(module: str, path: Path, known: set[str] | frozenset[str] = frozenset(),
+               type_checking: bool = False) -> set[str]:
+    """Every module name `module` imports when it runs (absolute, relative resolved), and with
+    `type_checking` those under `if TYPE_CHECKING:` too; `known` tells `from package import
+    module` from `from module import name`."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_checking:
             for child in node.orelse:
                 visit(child)
             return
@@ -120,9 +130,10 @@ def layer_of(module: str) -> str:
     return matches[0][1]
 
 
-def graph() -> dict[str, set[str]]:
+def graph(type_checking: bool = False) -> dict[str, set[str]]:
     files = module_files()
-    return {m: {t for t in imports_of(m, p, set(files)) if t in files and t != m} for m, p in files.items()}
+    return {m: {t for t in imports_of(m, p, set(files), type_checking) if t in files and t != m}
+            for m, p in files.items()}
 
 
 def may_import(importer: str, imported: str) -> bool:
@@ -152,8 +163,8 @@ def test_no_arrow_goes_up_a_layer() -> None:
     assert not back_edges
 
 
-def test_no_import_cycle() -> None:
-    edges = graph()
+def test_no_import_cycle_even_through_deferred_or_type_only_imports() -> None:
+    edges = graph(type_checking=True)
     cycles: list[list[str]] = []
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
@@ -194,6 +205,8 @@ def test_forbidden_third_party_imports() -> None:
     ("kvpilot.kernels.ops", "kvpilot.runtime.config", False),
     ("kvpilot.runtime.server.app", "kvpilot.runtime.llm", False),
     ("kvpilot.operator.reconcile", "kvpilot.runtime.config", False),
+    ("kvpilot.operator.spec", "kvpilot.runtime.tunables", True),
+    ("kvpilot.runtime.tunables", "kvpilot.runtime.config", False),
     ("kvpilot.bench.fleet", "kvpilot.operator.autoscale", True),
     ("kvpilot.runtime.llm", "kvpilot.runtime.engine.engine", True),
 ])
@@ -210,6 +223,8 @@ def test_relative_and_lazy_imports_are_seen(tmp_path: Path) -> None:
     assert {"kvpilot.runtime.executor.sibling", "kvpilot.runtime.executor.models",
             "kvpilot.runtime.engine.engine"} <= found
     assert "kvpilot.runtime.server.app" not in found
+    assert "kvpilot.runtime.server.app" in imports_of("kvpilot.runtime.executor.mod", source,
+                                                      {"kvpilot.runtime.server.app"}, type_checking=True)
 
 
 def test_the_api_process_loads_no_torch() -> None:

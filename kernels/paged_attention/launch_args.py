@@ -15,6 +15,7 @@ class LaunchArgs(NamedTuple):
     q: torch.Tensor  # (num_tokens, num_heads, head_dim), unit stride in head_dim
     k_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_dim), unit stride in head_dim
     v_cache: torch.Tensor  # as k_cache
+    kv_scales: torch.Tensor | None  # (2,) float32 (k_scale, v_scale) when the caches hold FP8, else None
     block_tables: torch.Tensor  # (num_seqs, max_blocks) int32, unit stride in its last dim
     seq_lens: torch.Tensor  # (num_seqs,) int32 contiguous
     query_start_loc: torch.Tensor  # (num_seqs + 1,) int32 contiguous
@@ -24,3 +25,12 @@ class LaunchArgs(NamedTuple):
     d_pad: int  # head_dim rounded up to a power of two >= 16 (a tl.dot dimension)
     # k_cache strides (block, slot, head), v_cache strides (block, slot, head), block_tables row
     cache_strides: tuple[int, ...]
+
+    @property
+    def kv_fp8(self) -> bool:
+        return self.kv_scales is not None
+
+    @property
+    def scales_arg(self) -> torch.Tensor:
+        """What the kernels' kv_scales pointer gets: the scales, or any tensor where unread."""
+        return self.seq_lens if self.kv_scales is None else self.kv_scales

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvpilot.kernels.checks import (
+    CACHE_DTYPES,
     FLOAT_DTYPES,
     check_contiguous,
     check_same_dtype,
@@ -20,6 +21,7 @@ from kvpilot.kernels.checks import (
     check_tensor,
 )
 from kvpilot.kernels.host import INTERPRETING, cdiv, next_power_of_2
+from kvpilot.kernels.kv_quant import check_scales
 from kvpilot.kernels.paged_attention import pointer_decode, tma_decode
 from kvpilot.kernels.paged_attention import prefill as prefill_kernel
 from kvpilot.kernels.paged_attention.launch_args import LaunchArgs
@@ -38,15 +40,16 @@ MAX_HEAD_DIM = 128
 
 def check(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, kv_scales: torch.Tensor | None = None,
 ) -> None:
     """The layouts every kernel here assumes (`launch_args.LaunchArgs`), as ValueErrors naming
-    the argument."""
+    the argument. The caches hold q's dtype, or FP8 with kv_scales (`kv_quant.check_scales`)."""
     check_tensor("q", q, 3, FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES, q.device)
-    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES, q.device)
-    check_same_dtype("k_cache", k_cache, "q", q)
-    check_same_dtype("v_cache", v_cache, "q", q)
+    check_tensor("k_cache", k_cache, 4, CACHE_DTYPES, q.device)
+    check_tensor("v_cache", v_cache, 4, CACHE_DTYPES, q.device)
+    check_same_dtype("v_cache", v_cache, "k_cache", k_cache)
+    if check_scales(kv_scales, k_cache) is None:
+        check_same_dtype("k_cache", k_cache, "q", q)
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -72,19 +75,22 @@ def check(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
-    *, prefer_tma: bool = False,
+    *, prefer_tma: bool = False, kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
     `max_query_len` (the longest sequence's new tokens, known to the caller without a sync) lets
     an all-decode batch run the decode kernel built for one token per sequence.
     `prefer_tma` takes the TMA decode kernel wherever it can read the caches
     (`tma_decode.unsupported`); the Triton ops set it for launches recorded into CUDA graphs, where
-    a replay skips the host work that makes its launch dearer than the pointer kernel's."""
-    check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    a replay skips the host work that makes its launch dearer than the pointer kernel's.
+    `kv_scales` (k_scale, v_scale) de-quantise caches that hold FP8 (kvpilot.kernels.kv_quant);
+    caches of q's dtype ignore them."""
+    check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, kv_scales)
     if max_query_len is not None and not 0 <= max_query_len <= q.shape[0]:
         raise ValueError(f"max_query_len must be between 0 and num_tokens ({q.shape[0]}), got {max_query_len}")
     return paged_attention_with(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                max_query_len=max_query_len, use_tma=None if prefer_tma else False)
+                                max_query_len=max_query_len, use_tma=None if prefer_tma else False,
+                                kv_scales=kv_scales)
 
 
 def _default_decode(multi: bool) -> DecodeConfig:
@@ -127,14 +133,15 @@ def paged_attention_with(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
     max_query_len: int | None = None, num_splits: int | None = None, decode: DecodeConfig | None = None,
     prefill: PrefillConfig | None = None, out: torch.Tensor | None = None,
-    use_tma: bool | None = False, tma: TmaDecodeConfig | None = None,
+    use_tma: bool | None = False, tma: TmaDecodeConfig | None = None, kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` without the argument checks and with the tuning knobs exposed
     (benchmarks and tests pick them, tests pass a poisoned `out`; the engine takes defaults).
     use_tma runs the single-token sequences through the TMA decode kernel (Hopper or later, caches
     as tma_decode.unsupported says) when max_query_len is given and the context is not split:
     True asks for it (ValueError where it cannot read the caches), None takes it where it can,
-    False never does. `tma` defaults to tma_decode.DEFAULTS for the cache's block size."""
+    False never does. `tma` defaults to tma_decode.DEFAULTS for the cache's block size. FP8 caches
+    need their kv_scales, which other caches ignore."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
@@ -144,7 +151,8 @@ def paged_attention_with(
         return out
     # float32 caches get float32 products: Triton's default for a float32 dot is tf32 (~3e-4)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    args = LaunchArgs(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale * LOG2E,
+    args = LaunchArgs(out, q, k_cache, v_cache, check_scales(kv_scales, k_cache), block_tables, seq_lens,
+                      query_start_loc, scale * LOG2E,
                       precision, num_heads // num_kv_heads, max(16, next_power_of_2(head_dim)),
                       (*k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0)))
     # as many tokens as sequences: all decode, unless some sequence is empty and another has

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kvpilot.kernels.host import cdiv, next_power_of_2
 from kvpilot.kernels.paged_attention.launch_args import LaunchArgs
-from kvpilot.kernels.paged_attention.tiles import attend_keys, load_tile
+from kvpilot.kernels.paged_attention.tiles import attend_keys, load_tile, score_scales
 
 
 # Defaults from `benchmarks/bench_kernels.py --sweep` (benchmarks/history/2026-12-03.md, "Kernels"):
@@ -59,14 +59,15 @@ def _slice_len(ctx, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
 @triton.jit
 def _decode_token(
     out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_base, v_base, table, tok, kv_len, split,
-    split_size, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+    split_size, scale_log2, out_scale, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_vb, stride_vs, stride_pt, stride_ph, stride_ps,
     heads, row_ok, d, d_ok,
     M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Attention of query token `tok` (its GQA group's heads as rows) over keys [lo, hi) of its
-    slice of the first kv_len context positions: full tiles unmasked, then the masked tail."""
+    slice of the first kv_len context positions: full tiles unmasked, then the masked tail; the
+    output is multiplied by out_scale (an FP8 cache's v_scale)."""
     lo = split * split_size
     hi = tl.minimum(lo + split_size, kv_len)
     full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
@@ -77,7 +78,7 @@ def _decode_token(
                                 stride_kb, stride_ks, stride_vb, stride_vs, M, HEAD_DIM, D_PAD,
                                 BLOCK_SIZE, BLOCK_N, PRECISION, PREFETCH)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
+    o = acc / l_safe[:, None] * out_scale
     if SPLIT:
         part = tok * stride_pt + heads * stride_ph + split * stride_ps  # (M,)
         tl.store(part_out_ptr + part[:, None] + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
@@ -95,14 +96,14 @@ def _decode_token(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, kv_scales_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_pt, stride_ph, stride_ps,
     GROUP: tl.constexpr, M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MULTI: tl.constexpr,
-    PRECISION: tl.constexpr, PREFETCH: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, PREFETCH: tl.constexpr, MIN_SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid (num_kv_heads, num_seqs, num_splits). Memory layout, element strides:
     q/out (num_tokens, num_heads, head_dim): (stride_qt, stride_qh, 1) / (stride_ot, stride_oh, 1);
@@ -112,7 +113,8 @@ def _decode_kernel(
     num_splits, D_PAD) float32 contiguous: (stride_pt, stride_ph, stride_ps, 1) and part_lse its
     (num_tokens, num_heads, num_splits) float32 twin. M is GROUP rounded up to a power of two
     >= 16 (a tl.dot dimension); rows past GROUP are masked. Slice `split` of a sequence is keys
-    [split * L, (split + 1) * L) with L = _slice_len(its context, num_splits)."""
+    [split * L, (split + 1) * L) with L = _slice_len(its context, num_splits). KV_FP8: the caches
+    hold float8 e4m3, de-quantised by the (k_scale, v_scale) float32 pair at kv_scales_ptr."""
     # KV head fastest: programs side by side share a sequence's cache rows (sequence-fastest
     # order timed within noise of it)
     kvh = tl.program_id(0)
@@ -135,11 +137,13 @@ def _decode_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
+    qk_scale, out_scale = score_scales(scale_log2, kv_scales_ptr, KV_FP8)
     if q_end - q_start == 1:
         # the decode case, kept out of any outer loop: nested in the token loop below, the tile
-        # loop compiles to slower code (benchmarks/history/2026-12-03.md, "Kernels": the multi-token loop)
+        # loop compiles to slower code (benchmarks/history/2026-12-03.md, "Kernels": the
+        # multi-token loop)
         _decode_token(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_base, v_base, table, q_start,
-                      ctx, split, split_size, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                      ctx, split, split_size, qk_scale, out_scale, stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_kb, stride_ks, stride_vb, stride_vs, stride_pt, stride_ph, stride_ps,
                       heads, row_ok, d, d_ok, M, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SPLIT, PRECISION, PREFETCH)
     elif MULTI:
@@ -147,7 +151,7 @@ def _decode_kernel(
         # token of its sequence; token tok sits at context position ctx - (q_end - tok)
         for tok in range(q_start, q_end):
             _decode_token(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_base, v_base, table, tok,
-                          ctx - q_end + tok + 1, split, split_size, scale_log2, stride_qt, stride_qh,
+                          ctx - q_end + tok + 1, split, split_size, qk_scale, out_scale, stride_qt, stride_qh,
                           stride_ot, stride_oh, stride_kb, stride_ks, stride_vb, stride_vs,
                           stride_pt, stride_ph, stride_ps, heads, row_ok, d, d_ok,
                           M, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SPLIT, PRECISION, PREFETCH)
@@ -229,12 +233,12 @@ def launch(args: LaunchArgs, config: DecodeConfig, num_splits: int, multi: bool)
         part_out = part_lse = out  # unused
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         out, part_out, part_lse, q, args.k_cache, args.v_cache, args.block_tables, args.seq_lens,
-        args.query_start_loc, args.scale_log2,
+        args.query_start_loc, args.scales_arg, args.scale_log2,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *args.cache_strides,
         num_heads * num_splits * d_pad, num_splits * d_pad, d_pad,
         GROUP=args.group, M=max(16, next_power_of_2(args.group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=config.block_n, SPLIT=num_splits > 1, MULTI=multi,
-        PRECISION=args.precision, PREFETCH=config.prefetch, MIN_SPLIT=config.min_split,
+        PRECISION=args.precision, PREFETCH=config.prefetch, MIN_SPLIT=config.min_split, KV_FP8=args.kv_fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels.paged_attention.launch_args import LaunchArgs
-from kvpilot.kernels.paged_attention.tiles import attend_keys, load_tile
+from kvpilot.kernels.paged_attention.tiles import attend_keys, load_tile, score_scales
 
 
 # Defaults from `benchmarks/bench_kernels.py --sweep` (benchmarks/history/2026-12-03.md, "Kernels").
@@ -33,13 +33,13 @@ class PrefillConfig:
 # compiler could vectorise: the table is read one block id per lane.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
-    out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, kv_scales_ptr,
     scale_log2, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    PRECISION: tl.constexpr, PREFETCH: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads). A tile's BLOCK_M rows are BLOCK_Q
     query tokens x the GQA group's heads (row m -> token m // GROUP, head m % GROUP). Sequence i
@@ -50,7 +50,9 @@ def _prefill_kernel(
     Memory layout, element strides: q/out (num_tokens, num_heads, head_dim): (stride_qt,
     stride_qh, 1) / (stride_ot, stride_oh, 1); k/v cache (num_blocks, block_size, num_kv_heads,
     head_dim): (stride_kb, stride_ks, stride_kh, 1), likewise stride_v*; block_tables (num_seqs,
-    max_blocks) int32: (stride_bt, 1); seq_lens and query_start_loc (qsl) contiguous int32."""
+    max_blocks) int32: (stride_bt, 1); seq_lens and query_start_loc (qsl) contiguous int32.
+    KV_FP8: the caches hold float8 e4m3, de-quantised by the (k_scale, v_scale) float32 pair at
+    kv_scales_ptr."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     # the sequence owning this tile: the largest i with qsl[i] // BLOCK_Q + i <= pid
@@ -82,10 +84,11 @@ def _prefill_kernel(
     hi_n = ctx - q_len + tl.minimum(q0 + BLOCK_Q, q_len)  # keys past the tile's last query: masked
     full_n = (first_pos + 1) // BLOCK_N * BLOCK_N  # tiles every row of this tile sees entirely
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    qk_scale, out_scale = score_scales(scale_log2, kv_scales_ptr, KV_FP8)
     _, l_i, acc = attend_keys(q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, table, 0, full_n, hi_n,
-                              pos, scale_log2, d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
+                              pos, qk_scale, d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
                               BLOCK_M, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, PREFETCH)
-    o = acc / l_i[:, None]
+    o = acc / l_i[:, None] * out_scale
     tl.store(out_ptr + (q_rows * stride_ot + heads * stride_oh)[:, None] + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -100,8 +103,8 @@ def launch(args: LaunchArgs, config: PrefillConfig) -> None:
     block_q = config.block_m // args.group
     _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
         out, q, args.k_cache, args.v_cache, args.block_tables, args.seq_lens, args.query_start_loc,
-        args.scale_log2, num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *args.cache_strides,
+        args.scales_arg, args.scale_log2, num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *args.cache_strides,
         GROUP=args.group, BLOCK_M=config.block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, D_PAD=args.d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=config.block_n, PRECISION=args.precision, PREFETCH=config.prefetch,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        KV_FP8=args.kv_fp8, num_warps=config.num_warps, num_stages=config.num_stages,
     )

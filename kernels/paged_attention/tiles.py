@@ -6,7 +6,9 @@ at slot n % BLOCK_SIZE, so one tile spans several blocks when BLOCK_SIZE < BLOCK
 into a cache are `base + block * stride_b + slot * stride_s + d` with `base` already offset to
 one KV head (`kvh * stride_h`): the callers pass the strides, so token-major and head-major
 caches both work, as long as head_dim has unit stride. Scores are kept in base 2 (the caller
-folds log2(e) into the scale) so that each exponential is one exp2.
+folds log2(e) into the scale) so that each exponential is one exp2. FP8 caches are read as they
+are stored (each tile widened to q's dtype, exactly): the caller folds k_scale into the score
+scale and multiplies the output by v_scale, which de-quantises at no cost per element.
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ def load_tile(ptrs, row_ok, d_ok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, M
 
 
 @triton.jit
+def score_scales(scale_log2, kv_scales_ptr, KV_FP8: tl.constexpr):
+    """(the scale of q.k in base 2, the factor of the output): for an FP8 cache, its k_scale
+    folded into the first and its v_scale the second, else (scale_log2, 1)."""
+    if KV_FP8:
+        return scale_log2 * tl.load(kv_scales_ptr), tl.load(kv_scales_ptr + 1)
+    return scale_log2, 1.0
+
+
+@triton.jit
 def softmax_update(s, m_i, l_i):
     """Online softmax in base 2 over one tile of scores s (rows, keys): the new row maxima and
     sums, the tile's probabilities p and the factor alpha that rescales what came before."""
@@ -46,12 +57,12 @@ def _attend_tile(
 ):
     """One K/V tile of online softmax: returns the updated (max, sum, accumulator).
     MASKED loads only the rows in load_ok and scores only the (row, key) pairs in keep."""
-    k = load_tile(k_ptrs, load_ok, d_ok, HEAD_DIM, D_PAD, MASKED)  # (BLOCK_N, D_PAD)
+    k = load_tile(k_ptrs, load_ok, d_ok, HEAD_DIM, D_PAD, MASKED).to(q.dtype)  # (BLOCK_N, D_PAD)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (rows, BLOCK_N)
     if MASKED:
         s = tl.where(keep, s, float("-inf"))
     m_new, l_i, p, alpha = softmax_update(s, m_i, l_i)
-    v = load_tile(v_ptrs, load_ok, d_ok, HEAD_DIM, D_PAD, MASKED)
+    v = load_tile(v_ptrs, load_ok, d_ok, HEAD_DIM, D_PAD, MASKED).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 

@@ -39,7 +39,7 @@ PodState = Literal["ready", "starting", "leaving"]
 
 PER_POD = {
     "kvCacheUsage": lambda s: s.kv_cache_usage,
-    "waitingPerReplica": lambda s: s.num_waiting_seqs,
+    "waitingPerReplica": lambda s: s.num_requests_waiting,
     "preemptionRate": lambda s: s.preemptions_per_s,
 }
 
@@ -75,7 +75,7 @@ def _per_pod_estimate(values: Mapping[str, float], pods: Mapping[str, PodState],
     if not rebalance_unready and not missing:
         if abs(1 - ratio) <= tolerance:
             return Estimate(current, mean, ratio, basis)
-        return Estimate(_ceil(ratio * len(values)), mean, ratio, basis)
+        return Estimate(ceil_replicas(ratio * len(values)), mean, ratio, basis)
     filled = list(values.values())
     notes = []
     if missing:
@@ -90,7 +90,7 @@ def _per_pod_estimate(values: Mapping[str, float], pods: Mapping[str, PodState],
     reversed_direction = (ratio < 1 < new_ratio) or (ratio > 1 > new_ratio)
     if abs(1 - new_ratio) <= tolerance or reversed_direction:
         return Estimate(current, mean, new_ratio, basis)
-    replicas = _ceil(new_ratio * len(filled))
+    replicas = ceil_replicas(new_ratio * len(filled))
     if (new_ratio < 1 and replicas > current) or (new_ratio > 1 and replicas < current):
         return Estimate(current, mean, new_ratio, basis)
     return Estimate(replicas, mean, new_ratio, basis)
@@ -104,17 +104,17 @@ def _service_estimate(ready: Mapping[str, WindowSummary], pods: Mapping[str, Pod
     p99 = merged.quantile(0.99)
     basis = f"merged over {_count(len(ready), 'ready pod')}"
     if p99 is None:
-        if any(s.num_running_seqs > 0 or s.num_waiting_seqs > 0 for s in ready.values()):
+        if any(s.num_running_seqs > 0 or s.num_requests_waiting > 0 for s in ready.values()):
             return "no request finished within the window while some were in flight"
         p99, basis = 0.0, f"{basis}, idle: no request within the window"
     ratio = p99 / target
     if abs(1 - ratio) <= tolerance:
         return Estimate(current, p99, ratio, basis)
     num_ready = sum(1 for state in pods.values() if state == "ready")
-    return Estimate(_ceil(ratio * num_ready), p99, ratio, basis)
+    return Estimate(ceil_replicas(ratio * num_ready), p99, ratio, basis)
 
 
-def _ceil(x: float) -> int:
+def ceil_replicas(x: float) -> int:
     # The HPA computes in integer milli-units; rounding first keeps 0.935 / 0.85 * 10 at 11, not 12.
     return math.ceil(round(x, 9))
 

@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..autotune.live_config import LiveConfig
+from kvpilot.runtime.tunables import LiveConfig
+
 from ..autotune.policy import Decision
 from ..timestamps import iso
 from .policy import ScaleDecision
@@ -41,6 +42,9 @@ def scale_record(decision: ScaleDecision) -> DecisionRecord:
     metrics: dict[str, float] = {"target": decision.target}
     if decision.value is not None:
         metrics[decision.metric] = decision.value
+    if decision.forecast is not None:
+        metrics["arrivalRate"] = decision.forecast.rate_now
+        metrics["forecastRate"] = decision.forecast.rate_ahead
     return DecisionRecord(decision.time, "scale", str(decision.current), str(decision.desired), decision.reason,
                           metrics)
 

@@ -11,13 +11,10 @@ computes it from the pods' histograms merged, as the builtin policy does).
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..manifests import GROUP, KIND, VERSION
+from ..objects import Manifest
 from .engine_series import SERIES
 from .scaling_spec import ScalingSpec, quantity
-
-Manifest = dict[str, Any]
 
 
 def scale_target_ref(service: str) -> Manifest:

@@ -17,11 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..objects import Manifest
 from .engine_series import SERIES, service_selector
 from .hpa import scale_target_ref
 from .scaling_spec import Mode, ScalingSpec, check_prometheus_address
-
-Manifest = dict[str, Any]
 
 KEDA_GROUP, KEDA_VERSION = "keda.sh", "v1alpha1"
 CUSTOM_METRICS_GROUP = "custom.metrics.k8s.io"

@@ -10,15 +10,18 @@ How the operator calls it, every `spec.interval` seconds, for an InferenceServic
 `spec.autoscaling.enabled` and `mode: builtin`:
 
     decision = decide_replicas(scraper.summaries(since=now - spec.window), pods, replicas, spec,
-                               state, now=now)
+                               state, now=now, forecast=forecast)
     if decision.desired != decision.current:   # write spec.replicas through the scale subresource
         state = decision.scaled_state          # once the write succeeded
     else:
         state = decision.state
 
 `pods` maps every pod of the service to ready | starting | leaving (`calculator.py`);
-`replicas` is `spec.replicas` as the scale subresource reports it. The scraper must scrape at
-least every `interval` and keep `window + interval` seconds of samples.
+`replicas` is `spec.replicas` as the scale subresource reports it; `forecast` the arrival rate's
+trend one start-up plus one interval ahead (`forecast.py`; None: scale on the present alone). A
+forecast rise asks for the replicas the forecast load needs at the pods' present load per unit of
+the metric, when that is more than the estimate and beyond the tolerance; it never scales down.
+The scraper must scrape at least every `interval` and keep `window + interval` seconds of samples.
 
 `out_of_reach` is what the HPA does not tell: a target on KV-cache usage or preemptions that the
 pods do not reach even while requests queue at them. Such a service never scales up however long
@@ -36,7 +39,8 @@ from typing import Literal
 
 from ..autotune.window import WindowSummary
 from .behavior import ScalerState, normalize
-from .calculator import PER_POD, Estimate, PodState, estimate
+from .calculator import PER_POD, Estimate, PodState, ceil_replicas, estimate
+from .forecast import Forecast, pod_rate
 from .scaling_spec import Metric, ScalingSpec
 
 
@@ -52,6 +56,7 @@ class ScaleDecision:
     reason: str  # the values behind the decision, for status and Events
     state: ScalerState  # keep this when the replicas were not written
     scaled_state: ScalerState  # keep this once the replicas were written from current to desired
+    forecast: Forecast | None = None  # the arrival rate's trend the decision read
 
     @property
     def direction(self) -> Literal["up", "down"] | None:
@@ -62,13 +67,14 @@ class ScaleDecision:
 
 
 def decide_replicas(summaries: Mapping[str, WindowSummary], pods: Mapping[str, PodState], current: int,
-                    spec: ScalingSpec, state: ScalerState, *, now: float) -> ScaleDecision:
+                    spec: ScalingSpec, state: ScalerState, *, now: float,
+                    forecast: Forecast | None = None) -> ScaleDecision:
     """`summaries`: each pod's window over (now - spec.window, now], by pod name."""
 
     def decision(desired: int, code: str, reason: str, new_state: ScalerState,
                  value: float | None = None) -> ScaleDecision:
         return ScaleDecision(now, current, desired, spec.metric, value, spec.target, code, reason, new_state,
-                             new_state.scaled(now, current, desired, spec.behavior))
+                             new_state.scaled(now, current, desired, spec.behavior), forecast)
 
     if current == 0:
         # As the HPA: a target scaled to zero by hand is left alone until it is scaled up by hand.
@@ -82,14 +88,33 @@ def decide_replicas(summaries: Mapping[str, WindowSummary], pods: Mapping[str, P
     est = estimate(spec.metric, summaries, pods, current, spec.target, spec.tolerance)
     if isinstance(est, str):
         return decision(current, "NoMetrics", f"{spec.metric}: {est}: {current} replicas stay", state)
-    n = normalize(est.replicas, current, spec.min_replicas, spec.max_replicas, spec.behavior, state, now)
+    ahead = replicas_ahead(forecast, est, summaries, pods, current, spec)
+    wanted = est.replicas if ahead is None else ahead
+    n = normalize(wanted, current, spec.min_replicas, spec.max_replicas, spec.behavior, state, now)
+    reason = _reason(spec, est, current, n.replicas, n.note, forecast, ahead)
     unreachable = out_of_reach(summaries, pods, spec)
     if unreachable is not None and n.replicas <= current:
         # kvpilot's one departure from the HPA: a service whose requests queue is not scaled down
         held = "" if n.replicas == current else " (no scale-down while requests queue)"
-        return decision(current, "TargetUnreachable",
-                        f"{unreachable}; {_reason(spec, est, current, current, n.note)}{held}", n.state, est.value)
-    return decision(n.replicas, n.code, _reason(spec, est, current, n.replicas, n.note), n.state, est.value)
+        reason = _reason(spec, est, current, current, n.note, forecast, ahead)
+        return decision(current, "TargetUnreachable", f"{unreachable}; {reason}{held}", n.state, est.value)
+    return decision(n.replicas, n.code, reason, n.state, est.value)
+
+
+def replicas_ahead(forecast: Forecast | None, est: Estimate, summaries: Mapping[str, WindowSummary],
+                   pods: Mapping[str, PodState], current: int, spec: ScalingSpec) -> int | None:
+    """The replicas the forecast load needs, when a significant rise asks for more than both the
+    estimate and the replicas in force beyond the tolerance; else None. A pod's load at the target
+    is its window's arrival rate over the metric's ratio to the target, so the replicas needed are
+    the forecast rate times that ratio over the rate per pod."""
+    per_pod = pod_rate(summaries, pods)
+    if forecast is None or not forecast.significant or per_pod is None or per_pod <= 0:
+        return None
+    needed = forecast.rate_ahead * (est.value / spec.target) / per_pod
+    if needed <= current * (1 + spec.tolerance):
+        return None
+    replicas = ceil_replicas(needed)
+    return replicas if replicas > max(est.replicas, current) else None
 
 
 # mean requests waiting per ready pod over the window from which a service counts as queueing
@@ -106,7 +131,7 @@ def out_of_reach(summaries: Mapping[str, WindowSummary], pods: Mapping[str, PodS
     ready = [s for p, s in summaries.items() if pods.get(p) == "ready"]
     if not ready:
         return None
-    waiting = fmean(s.num_waiting_seqs for s in ready)
+    waiting = fmean(s.num_requests_waiting for s in ready)
     value = fmean(PER_POD[spec.metric](s) for s in ready)
     if waiting < QUEUEING_PER_POD or value >= spec.target * (1 - spec.tolerance):
         return None
@@ -116,12 +141,15 @@ def out_of_reach(summaries: Mapping[str, WindowSummary], pods: Mapping[str, PodS
             f"carry (kvpilot bench serve measures it)")
 
 
-def _reason(spec: ScalingSpec, est: Estimate, current: int, desired: int, note: str) -> str:
+def _reason(spec: ScalingSpec, est: Estimate, current: int, desired: int, note: str, forecast: Forecast | None,
+            ahead: int | None) -> str:
     head = (f"{spec.metric} {_format(spec.metric, est.value)} ({est.basis}) vs target "
             f"{_format(spec.metric, spec.target)}: ratio {est.ratio:.2f}")
-    if est.replicas == current and abs(1 - est.ratio) <= spec.tolerance:
+    if ahead is None and est.replicas == current and abs(1 - est.ratio) <= spec.tolerance:
         return f"{head}, within tolerance {spec.tolerance:g}: {current} replicas stay"
     asks = f"{head} asks for {est.replicas}"
+    if ahead is not None and forecast is not None:
+        asks = f"{asks}; {forecast.describe()} asks for {ahead}"
     if note:
         asks = f"{asks}; {note}"
     outcome = f"{current} -> {desired} replicas" if desired != current else f"{current} replicas stay"

@@ -13,6 +13,9 @@ controller does (`behavior.py`). Defaults are the HPA's own.
 * `ttftP99` — the service's P99 time to first token in seconds, from the pods' histograms
   merged (a service-wide value, as an HPA `Object` or KEDA `Value` metric, not a per-pod mean).
 
+`forecast` (builtin only) scales up for the arrival rate forecast one start-up plus one interval
+ahead (`forecast.py`); hpa and keda cannot forecast, so a spec that sets it for them is refused.
+
 Some settings are the cluster's once an HPA does the scaling, so a spec that sets them for a
 mode that cannot honour them is refused rather than silently ignored: `window` and `interval`
 (with `mode: hpa` the prometheus-adapter rules fix the range and the HPA controller its sync
@@ -32,6 +35,8 @@ The CRD fields, under `spec.autoscaling` (defaults in brackets; the CRD gives no
         policies: [{type: Pods | Percent, value: integer >= 1, periodSeconds: 1..1800}] (1 or more)}
         [scaleUp: 0 s, Percent 100 and Pods 4 per 15 s; scaleDown: 300 s, Percent 100 per 15 s]
     prometheusAddress: http(s) URL, only with mode keda
+    forecast: {enabled: boolean [true], horizon: duration [the measured start-up + interval],
+        lookback: duration [90s]}, only with mode builtin
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ SelectPolicy = Literal["Max", "Min", "Disabled"]
 DEFAULT_TOLERANCE = 0.1
 DEFAULT_WINDOW_S = 60.0
 DEFAULT_INTERVAL_S = 15.0  # the HPA controller's sync period
+DEFAULT_LOOKBACK_S = 90.0
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,20 @@ class Behavior:
 
 
 @dataclass(frozen=True)
+class Forecasting:
+    """`spec.autoscaling.forecast`: how builtin looks ahead (`forecast.py`)."""
+
+    horizon_s: float | None = None  # horizon: None is the measured start-up plus one interval
+    lookback_s: float = DEFAULT_LOOKBACK_S  # lookback: the rate points the trend is fitted to
+
+    def __post_init__(self) -> None:
+        if self.horizon_s is not None and self.horizon_s < 0:
+            raise ValueError(f"forecast.horizon: must be >= 0, not {self.horizon_s}")
+        if self.lookback_s <= 0:
+            raise ValueError(f"forecast.lookback: must be positive, not {self.lookback_s}")
+
+
+@dataclass(frozen=True)
 class ScalingSpec:
     """`spec.autoscaling` of an InferenceService, with the CRD field of each setting."""
 
@@ -134,6 +154,7 @@ class ScalingSpec:
     interval_s: float | None = None  # interval: builtin decides, keda polls, this often (default 15s)
     behavior: Behavior = field(default_factory=Behavior)  # behavior
     prometheus_address: str | None = None  # prometheusAddress: keda only; else the operator's default
+    forecast: Forecasting | None = None  # forecast: builtin only; None scales on the present alone
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -162,6 +183,8 @@ class ScalingSpec:
             if self.mode != "keda":
                 raise ValueError(f"prometheus_address: only mode keda reads it, not mode {self.mode}")
             check_prometheus_address(self.prometheus_address)
+        if self.forecast is not None and self.mode != "builtin":
+            raise ValueError(f"forecast: only mode builtin forecasts, not mode {self.mode}")
 
     @property
     def window(self) -> float:
@@ -171,6 +194,15 @@ class ScalingSpec:
     @property
     def interval(self) -> float:
         return DEFAULT_INTERVAL_S if self.interval_s is None else self.interval_s
+
+    def horizon(self, startup_s: float | None) -> float | None:
+        """How far ahead builtin forecasts, given the service's measured start-up (None: none
+        measured yet); None when it does not forecast or cannot yet."""
+        if self.forecast is None:
+            return None
+        if self.forecast.horizon_s is not None:
+            return self.forecast.horizon_s
+        return None if startup_s is None else startup_s + self.interval
 
 
 def check_prometheus_address(address: str) -> str:

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from statistics import fmean
 from typing import Any
 
+from kvpilot.runtime.tunables import BLOCK_SIZE, PREEMPTION_MODE
+
 from .tuning_spec import EngineTarget, Thresholds
 from .window import WindowSummary
 
@@ -68,6 +70,12 @@ class Outcomes:
         self._pauses: dict[Switch, tuple[float, int]] = {}  # summed pause seconds, switches
         self.basis: dict[str, str] = dict(basis or {})
         self._dropped = False  # a rebase dropped figures: status must lose them too, until new ones come
+
+    def copy(self) -> Outcomes:
+        """An independent copy: the tuner's step adds to a copy, never to the state it was given."""
+        other = Outcomes(self.basis)
+        other._sums, other._pauses, other._dropped = dict(self._sums), dict(self._pauses), self._dropped
+        return other
 
     def rebase(self, basis: Mapping[str, str]) -> list[str]:
         """Holds the figures to `basis` from now on. When they were measured under another one,
@@ -185,11 +193,11 @@ class Outcomes:
 
 
 def _target(config: EngineTarget) -> dict[str, Any]:
-    return {"blockSize": config.block_size, "preemptionMode": config.preemption_mode}
+    return {BLOCK_SIZE.camel: config.block_size, PREEMPTION_MODE.camel: config.preemption_mode}
 
 
 def _from_target(row: Mapping[str, Any]) -> EngineTarget:
-    return EngineTarget(int(row["blockSize"]), str(row["preemptionMode"]))
+    return EngineTarget(int(row[BLOCK_SIZE.camel]), str(row[PREEMPTION_MODE.camel]))
 
 
 def _order(config: EngineTarget) -> tuple[int, str]:

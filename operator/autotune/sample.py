@@ -22,6 +22,10 @@ GAUGES = {
     "num_waiting_seqs": "kvpilot_num_waiting_seqs",
     "num_running_seqs": "kvpilot_num_running_seqs",
     "num_swapped_seqs": "kvpilot_num_swapped_seqs",
+    # requests, not sequences (a request with n > 1 holds several): the queue the autoscaler
+    # reads, the series the HPA and KEDA read too, and with the running ones what a pod holds
+    "num_requests_waiting": "vllm:num_requests_waiting",
+    "num_requests_running": "vllm:num_requests_running",
 }
 COUNTERS = {
     "preemptions": "vllm:num_preemptions",

@@ -32,6 +32,8 @@ class WindowSummary:
     num_waiting_seqs: float
     num_running_seqs: float
     num_swapped_seqs: float
+    num_requests_waiting: float  # requests (vllm:num_requests_waiting), where the above count sequences
+    arrivals_per_s: float  # requests received: finished plus the change in those held
     mean_context_tokens: float | None  # KV tokens per running sequence; None if none ran
     preemptions_per_s: float
     swap_bytes_per_s: float
@@ -108,6 +110,8 @@ def _summarize(pod: str, samples: list[Sample]) -> WindowSummary:
         num_waiting_seqs=fmean(s.gauges["num_waiting_seqs"] for s in span),
         num_running_seqs=fmean(s.gauges["num_running_seqs"] for s in span),
         num_swapped_seqs=fmean(s.gauges["num_swapped_seqs"] for s in span),
+        num_requests_waiting=fmean(s.gauges["num_requests_waiting"] for s in span),
+        arrivals_per_s=_arrivals(base, span[-1], histograms["e2e"].count) / duration,
         mean_context_tokens=fmean(tokens / seqs for tokens, seqs in running) if running else None,
         preemptions_per_s=counters["preemptions"] / duration,
         swap_bytes_per_s=counters["swap_bytes"] / duration,
@@ -115,6 +119,15 @@ def _summarize(pod: str, samples: list[Sample]) -> WindowSummary:
         generation_tokens_per_s=counters["generation_tokens"] / duration,
         **histograms,
     )
+
+
+def _arrivals(base: Sample, last: Sample, finished: float) -> float:
+    """Requests received between the two samples: those finished plus the change in those held
+    (an aborted request leaves uncounted); never below 0 (a restart's baseline held the old
+    process's requests)."""
+    def held(s: Sample) -> float:
+        return s.gauges["num_requests_running"] + s.gauges["num_requests_waiting"]
+    return max(0.0, finished + held(last) - held(base))
 
 
 def _counter_increase(key: str, steps: list[tuple[Sample, Sample]]) -> float:

@@ -111,9 +111,10 @@ def warm_up_block_switches(sched: Scheduler, block_manager: BlockManager, runner
     """At start, switch through every allowed block size and back by the live path (planner,
     device copies, views, graph lookup, block manager and swap pool rebuilds), splits and merges
     both, so that what a process pays on its first switch (CUDA modules loaded on the copy
-    kernels' first launch, the copies' first temporary memory: benchmarks/history/2026-12-04.md, "Every ordered pair") is paid
-    before any request waits on it. No sequence exists yet: each switch re-lays a few blocks
-    that none holds, from block 1 so that a merge's groups are out of place."""
+    kernels' first launch, the copies' first temporary memory: benchmarks/history/2026-12-04.md,
+    "Every ordered pair") is paid before any request waits on it. No sequence exists yet: each
+    switch re-lays a few blocks that none holds, from block 1 so that a merge's groups are out of
+    place."""
     started = time.perf_counter()
     first = runner.block_size
     walk = [size for size in runner.allowed_block_sizes if size != first] + [first]

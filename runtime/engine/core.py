@@ -14,6 +14,7 @@ loop raises (after sending `CoreDead` with the reason), or when the API process 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -46,6 +47,7 @@ from kvpilot.runtime.sampling_params import SamplingParams
 if TYPE_CHECKING:  # the engine is built in the core process only: its module imports torch
     from kvpilot.runtime.config import EngineConfig
     from kvpilot.runtime.engine.engine import LLMEngine, StepStats
+    from kvpilot.runtime.engine.warm_up import WarmUp
     from kvpilot.runtime.sched.sequence import Request
 
 logger = logging.getLogger(__name__)
@@ -118,13 +120,19 @@ def run_core(config: EngineConfig, input_addr: str, output_addr: str, max_queue_
             from kvpilot.runtime.engine.engine import LLMEngine
 
             engine_factory = LLMEngine
+        from kvpilot.runtime.startup import starting_phase
+
+        imports = starting_phase("core_imports", "core")
         engine = engine_factory(config)
         engine.detokenize = False
         # the step hands back its touched `Request`s as they are: the core reads only their new
         # tokens, instead of copying every sample's whole output into a `RequestOutput` each step
         engine.make_output = _as_is  # type: ignore[assignment]
         core = EngineCore(engine, max_queue_len, inbox, lambda msg: outbox.send(encoder.encode(msg)), parent)
-        outbox.send(encoder.encode(Ready(core.snapshot(), os.getpid(), engine.vocab_size)))
+        startup = getattr(engine, "startup", None)
+        phases = [imports, *(startup.phases if startup is not None else [])]
+        outbox.send(encoder.encode(Ready(core.snapshot(), os.getpid(), engine.vocab_size,
+                                         [dataclasses.asdict(p) for p in phases])))
         core.run_busy_loop()
     except BaseException as error:  # noqa: BLE001 - the API process must learn why, then we exit
         logger.exception("the engine core crashed")
@@ -151,6 +159,8 @@ class EngineCore:
         self.send = send
         self.parent_pid = parent_pid
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
+        # start-up work left for after Ready (warm_up.py): run while idle, and now and then between steps
+        self.warm_up: WarmUp | None = getattr(engine, "warm_up", None)
         # request id -> per sample, the output tokens sent (None once its end was sent)
         self._sent: dict[str, list[int | None]] = {}
         self._wants_logprobs: set[str] = set()
@@ -172,10 +182,13 @@ class EngineCore:
         return True
 
     def _process_input_queue(self) -> bool:
-        """False once told to shut down or orphaned while waiting."""
+        """False once told to shut down or orphaned while waiting. While idle, the start-up work
+        left for after Ready runs a unit at a time until a command comes."""
         if not self.engine.has_unfinished_requests():
-            while not self.inbox.poll(self.POLL_MS):
-                if self._orphaned():
+            while not self.inbox.poll(0 if self._warming_up else self.POLL_MS):
+                if self._warming_up:
+                    self._warm_up_unit()
+                elif self._orphaned():
                     return False
         acks: list[Ack] = []
         commands = 0
@@ -202,9 +215,22 @@ class EngineCore:
             except msgspec.MsgspecError as error:
                 logger.error("dropped a command the engine core cannot read: %s", error)
 
+    @property
+    def _warming_up(self) -> bool:
+        return self.warm_up is not None and self.warm_up.pending
+
+    def _warm_up_unit(self) -> None:
+        assert self.warm_up is not None
+        self.warm_up.run_one(idle=True)
+        if not self.warm_up.pending:  # done: the API process learns it now, not at the next request
+            self.send(CoreOutputs([], self.snapshot()))
+
     def _step(self) -> None:
         outputs = self.engine.step()
         stats = self.engine.last_step
+        if self._warming_up:
+            assert self.warm_up is not None
+            self.warm_up.run_if_due(idle=False)
         if outputs or stats is not None:
             self.send(CoreOutputs(self._deltas(outputs), self.snapshot(), _stats_msg(stats)))
         else:
@@ -329,6 +355,7 @@ class EngineCore:
             preemption_mode=sched.preemption_mode,
             enable_prefix_caching=cache.enable_prefix_caching,
             waiting_requests_by_tenant=dict(e.scheduler.backlog),
+            warming_up=self._warming_up,
         )
 
 

@@ -37,6 +37,7 @@ from kvpilot.runtime.engine.block_switch import (
     warm_up_block_switches,
 )
 from kvpilot.runtime.engine.step_inputs import build_step_inputs
+from kvpilot.runtime.engine.warm_up import WarmUp
 from kvpilot.runtime.errors import RequestError, RowsFailedError
 from kvpilot.runtime.executor.inputs import StepInputs
 from kvpilot.runtime.executor.model_runner import ModelRunner
@@ -55,16 +56,17 @@ from kvpilot.runtime.sched.sequence import (
     reaches_length,
     request_output,
 )
-from kvpilot.runtime.tokenizer import Tokenizer, check_prompt, encode_prompt
+from kvpilot.runtime.startup import StartupLog
+from kvpilot.runtime.tokenizer import Tokenizer, check_prompt, encode_prompt, eos_token_ids
+from kvpilot.runtime.tunables import LiveConfig, check_changes
 
 logger = logging.getLogger(__name__)
 
 
-# Engine settings that `update_config` changes on a live engine, and the config layer of each.
-LIVE_TUNABLES = {
-    "block_size": "cache", "preemption_mode": "scheduler", "scheduler_policy": "scheduler",
-    "max_num_seqs": "scheduler", "max_num_batched_tokens": "scheduler",
-}
+# How `update_config` applies each live tunable (kvpilot.runtime.tunables names and checks them):
+# the block size re-cuts the KV cache (block_switch.py); these become the scheduler's config field
+SCHEDULER_FIELDS = {"preemption_mode": "preemption_mode", "scheduler_policy": "policy",
+                    "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens"}
 
 
 @dataclass
@@ -136,13 +138,17 @@ def _fails_with_workers(method: Callable[Concatenate[LLMEngine, P], R]) -> Calla
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        self._start_config = config
+        self._config_view: EngineConfig | None = None
         self._workers: Workers | None = None
+        # where start-up time goes (runtime/startup.py); `kvpilot serve` reports it at Ready
+        self.startup = StartupLog("core")
         tp = None
         if config.device.tensor_parallel_size > 1:
-            self._workers, tp = Workers.start(config)
+            with self.startup.phase("tp_workers", count=config.device.tensor_parallel_size - 1):
+                self._workers, tp = Workers.start(config)
         try:
-            self.runner = ModelRunner(config, tp)
+            self.runner = ModelRunner(config, tp, self.startup)
         except BaseException as error:
             if self._workers is None:
                 raise
@@ -151,18 +157,22 @@ class LLMEngine:
             if failure is error:
                 raise
             raise failure from error
-        self.tokenizer = Tokenizer(config.model.tokenizer) if config.model.tokenizer else None
+        self._tokenizer: Tokenizer | None = None  # loaded on first use (`tokenizer`)
+        with self.startup.phase("eos_token_ids"):
+            eos = eos_token_ids(config.model.tokenizer) if config.model.tokenizer else set()
         layout = self.runner.layout  # the owner of the block size and the block counts
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, layout.num_swap_blocks)
-        warm_up_block_switches(self.scheduler, self.block_manager, self.runner)
+        # what serving does not need yet: other block sizes' kernels and graphs, the switch pass
+        self.warm_up = WarmUp(self.runner.prepare_later(),
+                              lambda: warm_up_block_switches(self.scheduler, self.block_manager, self.runner))
         self.last_relayout: RelayoutReport | None = None
         self.requests: dict[str, Request] = {}
         self._unscheduled: set[str] = set()  # ids of the requests no step has scheduled yet
         self._seq_ids = itertools.count()  # this engine's own: ids key per-sequence state in the runner
         self._finished_seq_ids: list[int] = []  # for the runner to forget, with the next step
         self.last_step: StepStats | None = None
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else ())
+        self.eos_token_ids = frozenset(eos)
         # False in `kvpilot serve`'s engine core: the API process detokenizes and checks stop strings
         self.detokenize = True
         # resolved from the config; switching it between steps is safe (a step in flight is then
@@ -171,7 +181,15 @@ class LLMEngine:
         self._in_flight: _Launched | None = None  # async scheduling: the step the device runs
         self._drained = _Resolved()  # a step postprocessed between steps: out with the next `step()`
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.runner.num_blocks,
-                    config.cache.block_size, self.runner.num_blocks * self.runner.bytes_per_block / (1 << 30))
+                    self.runner.block_size, self.runner.num_blocks * self.runner.bytes_per_block / (1 << 30))
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer, loaded on first use: `kvpilot serve`'s engine core, which the API
+        process sends token ids, never loads it (seconds saved before it is ready)."""
+        if self._tokenizer is None and self.config.model.tokenizer:
+            self._tokenizer = Tokenizer(self.config.model.tokenizer)
+        return self._tokenizer
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any. The engine is unusable afterwards."""
@@ -185,7 +203,7 @@ class LLMEngine:
                     arrival_time: float | None = None, priority: int = 0, tenant: str = DEFAULT_TENANT) -> Request:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        text, token_ids = encode_prompt(self.tokenizer, prompt)
+        text, token_ids = encode_prompt(self.tokenizer if isinstance(prompt, str) else None, prompt)
         check_prompt(token_ids, self.vocab_size, self.config.model.max_model_len)
         params.check_vocab(self.vocab_size)
         request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
@@ -242,40 +260,51 @@ class LLMEngine:
 
     # ---- live tuning ----------------------------------------------------------------------
 
+    @property
+    def config(self) -> EngineConfig:
+        """The configuration in force: the start's, with each live tunable read from its one
+        holder — the block size from the runner's KV layout, the scheduling limits, policy and
+        preemption mode from the scheduler's config — so no copy of them can go stale."""
+        block_size, scheduler = self.runner.block_size, self.scheduler.config
+        view = self._config_view
+        if view is None or view.scheduler is not scheduler or view.cache.block_size != block_size:
+            start = self._start_config
+            view = self._config_view = dataclasses.replace(
+                start, cache=dataclasses.replace(start.cache, block_size=block_size), scheduler=scheduler)
+        return view
+
     def live_config(self) -> dict[str, object]:
-        c = self.config
-        return {"block_size": c.cache.block_size, "preemption_mode": c.scheduler.preemption_mode,
-                "scheduler_policy": c.scheduler.policy, "max_num_seqs": c.scheduler.max_num_seqs,
-                "max_num_batched_tokens": c.scheduler.max_num_batched_tokens}
+        s = self.scheduler.config
+        return LiveConfig(block_size=self.runner.block_size, preemption_mode=s.preemption_mode,
+                          max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                          scheduler_policy=s.policy).to_json()
 
     @_fails_with_workers
     def update_config(self, changes: dict[str, object]) -> dict[str, object]:
         """Apply live tunables between steps without dropping a request; returns what changed
-        as {name: {"old": ..., "new": ...}}. Call only from the thread that runs `step`.
+        as {name: {"old": ..., "new": ...}}. Call only from the thread that runs `step`. Every
+        value is checked (the contract's rules, then the engine's own) before anything changes.
 
         A new block size re-cuts the KV cache in place and keeps the KV of running and swapped
-        sequences (block_switch.py); `last_relayout` says what it cost.
+        sequences (block_switch.py); `last_relayout` says what it cost. A higher max_num_seqs
+        captures the decode graphs for the larger batch (on CUDA).
         """
-        unknown = sorted(set(changes) - set(LIVE_TUNABLES))
-        if unknown:
-            raise ValueError(f"{unknown[0]}: not a live tunable (tunables: {', '.join(LIVE_TUNABLES)})")
         before = self.live_config()
-        for name, value in changes.items():
-            if type(value) is not type(before[name]):
-                raise ValueError(f"{name}: expected {type(before[name]).__name__}, got {value!r}")
-        wanted = {k: v for k, v in changes.items() if before[k] != v}
-        if wanted:
-            self._drain()  # the changes (a re-cut above all) meet no token in flight
-        sched_fields = {("policy" if k == "scheduler_policy" else k): v for k, v in wanted.items()
-                        if LIVE_TUNABLES[k] == "scheduler"}
-        cache = self.config.cache
-        scheduler = dataclasses.replace(self.config.scheduler, **sched_fields)  # type: ignore[arg-type]
+        wanted = {k: v for k, v in check_changes(changes).items() if before[k] != v}
+        if not wanted:
+            return {}
+        scheduler = dataclasses.replace(self.scheduler.config, **{  # type: ignore[arg-type]
+            SCHEDULER_FIELDS[k]: v for k, v in wanted.items() if k in SCHEDULER_FIELDS})
+        limit = self.runner.profiled_step_tokens
+        if limit is not None and scheduler.max_num_batched_tokens > limit:
+            raise ValueError(f"max_num_batched_tokens: at most {limit} on this engine, the step its device memory "
+                             f"was sized for at start (--max-num-batched-tokens); not {scheduler.max_num_batched_tokens}")
+        self._drain()  # the changes (a re-cut above all) meet no token in flight
         if "block_size" in wanted:
-            cache = dataclasses.replace(cache, block_size=wanted["block_size"])  # type: ignore[arg-type]
             with gc_paused():
                 self.last_relayout = change_block_size(self.scheduler, self.block_manager, self.runner,
-                                                       cache.block_size)
-        self.config = dataclasses.replace(self.config, cache=cache, scheduler=scheduler)
+                                                       int(wanted["block_size"]))  # type: ignore[call-overload]
+        self.runner.fit_decode_graphs(scheduler.max_num_seqs)
         self.scheduler.reconfigure(scheduler)
         after = self.live_config()
         return {k: {"old": before[k], "new": after[k]} for k in wanted}

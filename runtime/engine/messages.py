@@ -83,6 +83,7 @@ class EngineSnapshot(msgspec.Struct, frozen=True, array_like=True):
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = False
     waiting_requests_by_tenant: dict[str, int] = {}  # requests waiting or swapped out, per tenant
+    warming_up: bool = False  # start-up work left for after Ready still runs (engine/warm_up.py)
 
 
 class StepStatsMsg(msgspec.Struct, array_like=True):
@@ -147,6 +148,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     snapshot: EngineSnapshot
     pid: int
     vocab_size: int  # the model's: token ids the API process admits are below it
+    startup: list[dict[str, Any]] = []  # the core's start-up phases (runtime/startup.py)
 
 
 class CoreDead(msgspec.Struct, tag="dead", array_like=True):

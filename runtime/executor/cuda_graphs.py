@@ -14,11 +14,13 @@ does not pay (kernels/paged_attention/tma_decode.py). It does so where the conte
 batches whose (sequence, KV head) programs fill the chip; smaller ones split each context over
 more programs with the pointer kernel.
 
-Graphs are captured when the runner starts (after the KV cache is allocated, largest first, into
-one shared memory pool), for every allowed block size (`GraphsBySize`): a live block-size change
-re-cuts the same cache memory (kv_cache.py), so each size's graphs stay valid and are reused on
-every later switch to that size. Prefill and mixed steps, batches larger than the largest size, and
-`--enforce-eager` run eagerly.
+Before the engine is ready, graphs are captured for the block size it starts with (after the KV
+cache is allocated, largest first, into one shared memory pool); the other allowed block sizes'
+graphs (`GraphsBySize`) are captured after it is ready, one batch size at a time between steps
+(`capture_next`, driven by engine/warm_up.py), or all at once when a live change reaches a size
+whose graphs are not there yet. A live block-size change re-cuts the same cache memory
+(kv_cache.py), so each size's graphs stay valid and are reused on every later switch to that size.
+Prefill and mixed steps, batches larger than the largest size, and `--enforce-eager` run eagerly.
 
 CI has no GPU: tests/runtime/test_gpu_engine.py checks the graphs against HF and against eager mode
 on a GPU (`benchmarks/run_on_gpu.sh`); `benchmarks/bench_engine_gpu.py` times a decode step with
@@ -73,19 +75,31 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token each
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._to_capture = list(reversed(self.sizes))  # largest first: the smaller ones fit in its memory
+        self.capture_seconds = 0.0
         self.replays = 0
 
     @property
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def capture_all(self, pool: _POOL_HANDLE | None = None) -> None:
+    @property
+    def complete(self) -> bool:
+        """Every batch size is captured (only then may a step replay them: `stage` picks among all)."""
+        return not self._to_capture
+
+    def capture_next(self, pool: _POOL_HANDLE) -> None:
+        """Capture the largest batch size not captured yet (pool: shared by every graph, as they
+        replay one at a time)."""
         start = time.perf_counter()
-        pool = pool or torch.cuda.graph_pool_handle()  # one pool: the graphs replay one at a time
-        for size in reversed(self.sizes):  # largest first: the smaller ones fit in its memory
-            self._capture(size, pool)
-        logger.info("captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s",
-                    len(self.sizes), self.max_batch, time.perf_counter() - start)
+        self._capture(self._to_capture.pop(0), pool)
+        self.capture_seconds += time.perf_counter() - start
+
+    def capture_all(self, pool: _POOL_HANDLE) -> None:
+        while not self.complete:
+            self.capture_next(pool)
+        logger.info("captured CUDA graphs for %d decode batch sizes (1..%d) in %.2f s",
+                    len(self.sizes), self.max_batch, self.capture_seconds)
 
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
@@ -140,8 +154,8 @@ class DecodeGraphs:
 
 
 class GraphsBySize:
-    """Each block size's decode graphs, captured once into one memory pool (one size runs at a
-    time, so their intermediates can share it)."""
+    """Each block size's decode graphs, captured into one memory pool (one size runs at a time, so
+    their intermediates can share it). A size's graphs are handed out only once complete."""
 
     def __init__(self) -> None:
         self._by_size: dict[int, DecodeGraphs] = {}
@@ -150,10 +164,20 @@ class GraphsBySize:
     def get(self, block_size: int) -> DecodeGraphs | None:
         return self._by_size.get(block_size)
 
-    def capture(self, block_size: int, graphs: DecodeGraphs) -> None:
+    @property
+    def pool(self) -> _POOL_HANDLE:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graphs.capture_all(self._pool)
+        return self._pool
+
+    def capture(self, block_size: int, graphs: DecodeGraphs) -> None:
+        """Capture what `graphs` still lacks, now, and hand them out."""
+        graphs.capture_all(self.pool)
+        self.add(block_size, graphs)
+
+    def add(self, block_size: int, graphs: DecodeGraphs) -> None:
+        if not graphs.complete:
+            raise ValueError(f"block size {block_size}: some of its decode graphs are not captured yet")
         self._by_size[block_size] = graphs
 
     @property

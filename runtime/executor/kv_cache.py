@@ -17,13 +17,14 @@ space alike — in batches whose temporary memory the plan bounds.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from kvpilot.runtime.config import BLOCK_SIZES
+from kvpilot.runtime.tunables import BLOCK_SIZE
 
 # Temporary memory one relayout batch may use per cache tensor (one layer's K or V): the plan's
 # max_batch is derived from it, so a switch needs this much headroom on the device, not a second cache.
@@ -80,8 +81,7 @@ class KVCacheLayout:
     swap_capacity_tokens: int  # slots of the host swap space (same per-block layout)
 
     def __post_init__(self) -> None:
-        if self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block_size: must be one of {', '.join(map(str, BLOCK_SIZES))}, not {self.block_size}")
+        BLOCK_SIZE.check(self.block_size)
         if self.num_blocks != self.capacity_tokens // self.block_size:
             raise ValueError(f"num_blocks {self.num_blocks} does not cut {self.capacity_tokens} slots into blocks of {self.block_size}")
 
@@ -114,7 +114,15 @@ def allocate(layout: KVCacheLayout, num_tokens: int) -> torch.Tensor:
     of all of them (`stacked_view`): the swap space moves a block of every layer with one gather or
     scatter instead of one per row."""
     n = num_tokens * layout.num_kv_heads * layout.head_dim
-    return torch.zeros(2 * layout.num_layers, n, dtype=layout.dtype, device=layout.device)
+    if torch.device(layout.device).type != "cpu":
+        return torch.zeros(2 * layout.num_layers, n, dtype=layout.dtype, device=layout.device)
+    # on the CPU, anonymous memory: the kernel hands out zeroed pages as they are first written, so
+    # start-up does not touch the whole cache (a GiB by default) the way zeros' memset does
+    nbytes = 2 * layout.num_layers * n * layout.dtype.itemsize
+    memory = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)  # as the weights get (cli.py's THP_MEM_ALLOC_ENABLE)
+    return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(layout.dtype).view(2 * layout.num_layers, n)
 
 
 def block_view(flat: torch.Tensor, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -164,8 +172,9 @@ def relayout(storage: torch.Tensor | list[torch.Tensor], plan: Plan, num_kv_head
     copies move words of up to 8 bytes, not elements (a row of head_dim elements is never cut), and
     the indices of every batch go to the device in one upload. One tensor at a time rather than one
     strided view over all of them: over a view of the whole cache (more than 2^31 elements) the
-    copy kernels were slower, on the device and on the host (benchmarks/history/2026-12-04.md, "Every ordered pair"). No host synchronisation:
-    the copies are queued on the current stream, ahead of the next step's kernels."""
+    copy kernels were slower, on the device and on the host (benchmarks/history/2026-12-04.md,
+    "Every ordered pair"). No host synchronisation: the copies are queued on the current stream,
+    ahead of the next step's kernels."""
     old, new = plan.old_block_size, plan.new_block_size
     if old == new or not plan.batches or (new < old and not head_major):
         return 0  # token-major: the sub-blocks of a block are already its consecutive runs

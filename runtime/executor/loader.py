@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,14 @@ import torch
 from kvpilot.runtime.config import ModelConfig
 from kvpilot.runtime.executor.models.llama import LlamaConfig, LlamaForCausalLM
 from kvpilot.runtime.executor.parallel import TPInfo
+from kvpilot.runtime.executor.quant.methods import linear_methods
+from kvpilot.runtime.executor.weight_reader import (
+    checkpoint_files,
+    checkpoint_weights,
+    choose_reader,
+)
 from kvpilot.runtime.model_source import load_preset
+from kvpilot.runtime.startup import StartupLog
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -32,71 +38,68 @@ def hf_config_of(config: ModelConfig) -> dict[str, Any]:
     return result
 
 
-class SafetensorsSlice:
-    """One checkpoint tensor, read whole or in part (only the asked-for bytes leave the file)."""
-
-    def __init__(self, handle: Any, name: str) -> None:
-        self._slice = handle.get_slice(name)
-        self.shape = tuple(self._slice.get_shape())
-        self.bytes_read = 0
-
-    def read(self, dim: int | None = None, start: int = 0, length: int = 0) -> torch.Tensor:
-        if dim is None:
-            t = self._slice[:]
-        elif dim == 0:
-            t = self._slice[start:start + length]
-        else:
-            t = self._slice[:, start:start + length]
-        self.bytes_read += t.numel() * t.element_size()
-        return t
-
-
-def safetensors_weights(folder: Path) -> Iterator[tuple[str, SafetensorsSlice]]:
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / n for n in names]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{folder}: shards named in the index are missing: {', '.join(missing)}")
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder} has no *.safetensors files")
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, SafetensorsSlice(f, name)
+def _materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Give every parameter and buffer of a model built on the meta device uninitialised memory on
+    `device` (what `Module.to_empty` does, but through `torch.empty`: `to_empty`'s `empty_like` of a
+    meta tensor runs a Python decomposition whose first use imports sympy, seconds of start-up)."""
+    made: dict[int, torch.Tensor] = {}  # a tensor shared by two modules stays shared
+    for module in model.modules():
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for tensors in tables:
+            for name, t in tensors.items():
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    made[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+                tensors[name] = made[id(t)]
 
 
 def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights: the linear layers' in their method's format, the rest here."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    linears = model.linears()
+    for linear in linears:
+        linear.method.fill_dummy(linear, gen)
+    in_linears = {id(p) for linear in linears for p in linear.parameters()}
     for name, param in model.named_parameters():
+        if id(param) in in_linears:
+            continue
         if param.dim() == 1:
             param.data.fill_(1.0 if name.endswith("norm") else 0.0)  # norms 1, biases 0
         else:
             param.data.normal_(0.0, 0.02, generator=gen)  # HF's initializer_range
 
 
-def load_model(config: ModelConfig, device: str, tp: TPInfo | None = None) -> tuple[LlamaForCausalLM, LlamaConfig]:
-    """Build this rank's slice of the model on `device` and fill it."""
-    cfg = LlamaConfig.from_hf(hf_config_of(config))
+def load_model(config: ModelConfig, device: str, tp: TPInfo | None = None,
+               startup: StartupLog | None = None) -> tuple[LlamaForCausalLM, LlamaConfig]:
+    """Build this rank's slice of the model on `device` and fill it (linear layers in the format
+    of `config.quantization`; phases `model_init` and `weights` of `startup`)."""
+    startup = startup or StartupLog("core")
+    hf_config = hf_config_of(config)
+    cfg = LlamaConfig.from_hf(hf_config)
     dtype = resolve_dtype(config.dtype, device)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, tp)
-    finally:
-        torch.set_default_dtype(previous)
-    model = model.to_empty(device=device)
+    with startup.phase("model_init"):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device("meta"):
+                model = LlamaForCausalLM(cfg, tp, linear_methods(config.quantization, hf_config))
+        finally:
+            torch.set_default_dtype(previous)
+        _materialize(model, torch.device(device))
     if config.load_format == "dummy":
-        _fill_dummy(model, config.seed + (tp.rank if tp else 0))
+        with startup.phase("weights", reader="dummy"), torch.no_grad():
+            _fill_dummy(model, config.seed + (tp.rank if tp else 0))
+            model.process_weights_after_loading()
     else:
-        with torch.no_grad():
-            model.load_weights(safetensors_weights(Path(config.model)))
+        folder = Path(config.model)
+        reader = choose_reader(torch.device(device))
+        size = sum(f.stat().st_size for f in checkpoint_files(folder))
+        with startup.phase("weights", reader=reader, bytes=size), torch.no_grad():
+            model.load_weights(checkpoint_weights(folder, torch.device(device), reader))
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)  # the copies are done: the phase holds all of them
     model.eval().requires_grad_(False)
     return model, cfg

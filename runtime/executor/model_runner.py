@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
+from collections.abc import Iterator
 
 import torch
 
 from kvpilot.kernels import ops as kernel_ops
-from kvpilot.runtime.config import BLOCK_SIZES, EngineConfig
+from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.errors import RowsFailedError
 from kvpilot.runtime.executor import kv_cache
 from kvpilot.runtime.executor.batch import fill_pending, to_device, to_tensors
 from kvpilot.runtime.executor.cpu_linear import pack_linears
-from kvpilot.runtime.executor.cuda_graphs import DecodeGraphs, GraphsBySize, model_forward
+from kvpilot.runtime.executor.cuda_graphs import (
+    MAX_CAPTURE_SIZE,
+    DecodeGraphs,
+    GraphsBySize,
+    model_forward,
+)
 from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
 from kvpilot.runtime.executor.kv_cache import KVCacheLayout
 from kvpilot.runtime.executor.loader import load_model, resolve_dtype
@@ -34,24 +41,40 @@ from kvpilot.runtime.executor.sampler import (
     score_prompt,
 )
 from kvpilot.runtime.executor.swap import MAX_STAGING_BYTES, SwapSpace, SwapStats
+from kvpilot.runtime.startup import StartupLog
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
 
+def _triton_cache_entries() -> int:
+    """Kernels in Triton's on-disk cache (one folder each): how many a phase compiled rather than
+    loaded, for the start-up record."""
+    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:
+        return len(os.listdir(folder))
+    except OSError:
+        return 0
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TPInfo | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp: TPInfo | None = None, startup: StartupLog | None = None) -> None:
         self.config = config
         self.tp = tp or TPInfo()
+        self.startup = startup or StartupLog("core")
         device = config.device.device
         self.device = torch.device(f"cuda:{self.tp.rank}" if device == "cuda" else device)
         self.dtype = resolve_dtype(config.model.dtype, device)
-        self.model, self.model_config = load_model(config.model, str(self.device), self.tp)
-        # CPU: weights packed once for oneDNN (decode steps are bound by reading them; cpu_linear.py)
-        pack_linears(self.model, config.scheduler.max_num_seqs)
+        self.model, self.model_config = load_model(config.model, str(self.device), self.tp, self.startup)
+        if self.device.type == "cpu":
+            with self.startup.phase("cpu_pack"):
+                # weights packed once for oneDNN (decode steps are bound by reading them; cpu_linear.py)
+                pack_linears(self.model, config.scheduler.max_num_seqs)
         self.num_kv_heads = self.model.layers[0].num_kv_heads  # this rank's share
-        self.ops = kernel_ops.select(self.device)
+        with self.startup.phase("kernel_select"):  # the CPU's C kernels are built here on a fresh cache
+            self.ops = kernel_ops.select(self.device)
         self.rope = cos_sin_cache(self.model_config, config.model.max_model_len, self.device)
         # the layout owns the block size and the swap space's size; its block count is known once
         # the cache is sized
@@ -64,20 +87,32 @@ class ModelRunner:
         self.layout = dataclasses.replace(  # --swap-space GiB, per rank under tensor parallelism
             self.layout, swap_capacity_tokens=int(config.cache.swap_space_gib * GiB) // self.layout.bytes_per_token)
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists
+        # the largest step the device memory was sized for (CUDA: a larger one could run out of
+        # it); None where nothing was profiled
+        self.profiled_step_tokens: int | None = None
         self.swap_space: SwapSpace | None = None  # made once the KV cache exists
-        num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
+        with self.startup.phase("kv_profile") as profiled:  # a worst-case forward pass on CUDA (its first)
+            cached = _triton_cache_entries()
+            num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
+            profiled.update(num_blocks=num_blocks, kernels_compiled=_triton_cache_entries() - cached)
         self.layout = dataclasses.replace(self.layout, num_blocks=num_blocks, capacity_tokens=num_blocks * self.block_size)
-        # one allocation for the runner's life: a block-size change re-cuts it in place (kv_cache.py)
-        self._kv_storage = kv_cache.allocate(self.layout, self.layout.capacity_tokens)
-        self._views_by_size: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.kv_caches = self._caches_for(self.block_size)
-        # the swap space: the device cache's per-block layout, whole blocks across layers (swap.py)
-        self.swap_space = SwapSpace(self.kv_caches, self.layout.swap_bytes,
-                                    stacked=kv_cache.stacked_view(self._kv_storage, self.layout))
+        with self.startup.phase("kv_alloc", bytes=num_blocks * self.bytes_per_block):
+            # one allocation for the runner's life: a block-size change re-cuts it in place (kv_cache.py)
+            self._kv_storage = kv_cache.allocate(self.layout, self.layout.capacity_tokens)
+            self._views_by_size: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            self.kv_caches = self._caches_for(self.block_size)
+        with self.startup.phase("swap_alloc", bytes=self.layout.swap_bytes):
+            # the swap space: the device cache's per-block layout, whole blocks across layers (swap.py)
+            self.swap_space = SwapSpace(self.kv_caches, self.layout.swap_bytes,
+                                        stacked=kv_cache.stacked_view(self._kv_storage, self.layout))
         self._graph_sets = GraphsBySize()
+        # the largest decode batch the graphs are captured for: the start's max_num_seqs, raised
+        # with it (`fit_decode_graphs`); the runner reads no live tunable from `config`
+        self._decode_batch = config.scheduler.max_num_seqs
+        self._compiled: set[int] = set()  # block sizes whose kernel variants are compiled
         self._generators: dict[int, torch.Generator] = {}  # seeded sequences' own random streams
         self._sampled: torch.Tensor | None = None  # the latest step's sampled tokens, on the device
-        self._capture_graphs()
+        self._prepare_start()
 
     @property
     def block_size(self) -> int:
@@ -87,21 +122,60 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.layout.num_blocks
 
-    def _capture_graphs(self) -> None:
-        """CUDA graphs for decode steps (cuda_graphs.py) on CUDA, unless --enforce-eager, for every
-        allowed block size: the cache's memory never moves, so each size's graphs are captured once
-        here and replayed after any later switch to that size. Under tensor parallelism the steps
-        stay eager: graphs over NCCL collectives have not been run here (no machine with several
-        GPUs was lent)."""
-        self.graphs = None
-        if self.device.type == "cuda":
-            for size in self.allowed_block_sizes:
-                self._compile_kernels(size)
-        if self.device.type != "cuda" or self.config.device.enforce_eager or self.tp.size > 1:
+    @property
+    def _uses_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: on CUDA, unless --enforce-eager; under tensor
+        parallelism the steps stay eager (graphs over NCCL collectives have not been run here: no
+        machine with several GPUs was lent)."""
+        return self.device.type == "cuda" and not self.config.device.enforce_eager and self.tp.size == 1
+
+    def _prepare_start(self) -> None:
+        """What serving needs before the engine is ready (cuda_graphs.py): the kernels and decode
+        graphs of the block size it starts with. The other allowed sizes' come after it is ready
+        (`prepare_later`), except under tensor parallelism, where every rank must run the same
+        probes together: there all sizes' kernels are compiled now."""
+        if self.device.type != "cuda":
             return
-        for size in sorted(self.allowed_block_sizes, key=lambda s: s != self.block_size):  # the live size first
-            self._graphs_for(size)
-        self.graphs = self._graphs_for(self.block_size)
+        sizes = self.allowed_block_sizes if self.tp.size > 1 else [self.block_size]
+        with self.startup.phase("kernels", block_sizes=sizes) as compiled:
+            cached = _triton_cache_entries()
+            for size in sizes:
+                self._compile_kernels(size)
+            compiled["kernels_compiled"] = _triton_cache_entries() - cached
+        if self._uses_graphs:
+            with self.startup.phase("graphs") as captured:
+                self.graphs = self._graphs_for(self.block_size)
+                assert self.graphs is not None
+                captured.update(batch_sizes=len(self.graphs.sizes), block_sizes=[self.block_size])
+
+    def prepare_later(self) -> Iterator[str]:
+        """The start-up work that serving does not need yet, one unit per item: for each other
+        allowed block size (nearest first), its kernels, then its decode graphs one batch size at
+        a time. The engine runs the units between steps (engine/warm_up.py); each yields what it
+        did. A size that a live change prepared meanwhile (`_graphs_for`) is skipped."""
+        if self.device.type != "cuda" or self.tp.size > 1:
+            return
+        here = self.block_size
+        for size in sorted(self.allowed_block_sizes, key=lambda s: (abs(s.bit_length() - here.bit_length()), s)):
+            if size not in self._compiled:
+                self._compile_kernels(size)
+                yield f"kernels for block size {size}"
+            if not self._uses_graphs or self._graph_sets.get(size) is not None:
+                continue
+            graphs = self._new_graphs(size)
+            while not graphs.complete:
+                # captured meanwhile by a live change, or for a smaller batch than max_num_seqs now asks
+                # (`fit_decode_graphs`): left to `_graphs_for`
+                if self._graph_sets.get(size) is not None or graphs.max_batch < min(self._decode_batch,
+                                                                                     MAX_CAPTURE_SIZE):
+                    break
+                with torch.inference_mode():
+                    graphs.capture_next(self._graph_sets.pool)
+                yield f"a decode graph for block size {size}"
+            else:
+                self._graph_sets.add(size, graphs)
+                logger.info("captured CUDA graphs for %d decode batch sizes at block size %d in %.2f s (after ready)",
+                            len(graphs.sizes), size, graphs.capture_seconds)
 
     @property
     def allowed_block_sizes(self) -> list[int]:
@@ -119,18 +193,17 @@ class ModelRunner:
         the decode path (kernels/paged_attention: `split_probe_widths`), so that every Triton kernel
         variant a step of this size can launch is compiled now rather than in some step mid-run
         (seconds of stalled decoding: the kernels leave the integer arguments that vary from step
-        to step unspecialised, so shapes no longer pick variants). At start only: the blocks the
-        mixed step writes hold no sequence yet; the others write nothing (slot -1)."""
+        to step unspecialised, so shapes no longer pick variants). No step writes the cache (every
+        slot is -1): this also runs while sequences hold blocks."""
+        self._compiled.add(block_size)
         bs = block_size
         prefill, context = 2 * bs + 3, bs + 2
         first = list(range(-(-prefill // bs)))
         second = list(range(len(first), len(first) + -(-context // bs)))
         if second[-1] >= self.layout.with_block_size(bs).num_blocks:
             return
-        slots = [first[p // bs] * bs + p % bs for p in range(prefill)]
-        slots.append(second[(context - 1) // bs] * bs + (context - 1) % bs)
         probe = StepInputs(input_ids=[0] * (prefill + 1), positions=[*range(prefill), context - 1],
-                           slot_mapping=slots, block_tables=[first, second], seq_lens=[prefill, context],
+                           slot_mapping=[-1] * (prefill + 1), block_tables=[first, second], seq_lens=[prefill, context],
                            query_start_loc=[0, prefill, prefill + 1], logits_rows=[prefill - 1, prefill])
         self._probe(probe, self._caches_for(bs), bs)
         try:
@@ -152,18 +225,41 @@ class ModelRunner:
             self.model.compute_logits(hidden[inputs.logits_rows])
 
     def _graphs_for(self, block_size: int) -> DecodeGraphs | None:
-        """The decode graphs of `block_size`, captured now if they were not yet."""
-        if self.device.type != "cuda" or self.config.device.enforce_eager or self.tp.size > 1:
+        """The decode graphs of `block_size`, captured now (and its kernels compiled) if they were
+        not yet."""
+        if not self._uses_graphs:
             return None
         found = self._graph_sets.get(block_size)
         if found is not None:
             return found
-        forward = model_forward(self.model, self._caches_for(block_size), self.rope, self.ops.for_graphs())
-        graphs = DecodeGraphs(forward, self.config.scheduler.max_num_seqs,
-                              -(-self.config.model.max_model_len // block_size), self.device)
+        if block_size not in self._compiled:
+            self._compile_kernels(block_size)
+        graphs = self._new_graphs(block_size)
         with torch.inference_mode():
             self._graph_sets.capture(block_size, graphs)
         return graphs
+
+    def _new_graphs(self, block_size: int) -> DecodeGraphs:
+        forward = model_forward(self.model, self._caches_for(block_size), self.rope, self.ops.for_graphs())
+        return DecodeGraphs(forward, self._decode_batch, -(-self.config.model.max_model_len // block_size),
+                            self.device)
+
+    def fit_decode_graphs(self, max_num_seqs: int) -> None:
+        """Decode graphs for batches of up to `max_num_seqs` (a live raise of the limit): every
+        captured block size's graphs are captured again for the larger batch, so its decode steps
+        replay a graph instead of running eagerly. A lower limit keeps the graphs (a smaller batch
+        pads into them)."""
+        if max_num_seqs <= self._decode_batch:
+            return
+        self._decode_batch = max_num_seqs  # graphs captured from now on hold it
+        if self.graphs is None or min(max_num_seqs, MAX_CAPTURE_SIZE) <= self.graphs.max_batch:
+            return
+        sizes = self._graph_sets.block_sizes
+        self.graphs, self._graph_sets = None, GraphsBySize()  # the old graphs and their pool go
+        torch.cuda.empty_cache()
+        for size in sorted(sizes, key=lambda s: s != self.block_size):  # the live size first
+            self._graphs_for(size)
+        self.graphs = self._graphs_for(self.block_size)
 
     @property
     def num_swap_blocks(self) -> int:
@@ -195,6 +291,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         n = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
+        self.profiled_step_tokens = self.config.scheduler.max_num_batched_tokens
         self._forward_probe(n)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()

@@ -39,14 +39,22 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Collection, Iterable
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Collection, Iterable, Mapping
+from typing import ClassVar, Protocol
 
 from kvpilot.runtime.config import SchedulerConfig
 from kvpilot.runtime.sched.sequence import DEFAULT_TENANT, Sequence
 
-if TYPE_CHECKING:
-    from kvpilot.runtime.sched.scheduler import Scheduler
+
+class Queues(Protocol):
+    """What a policy reads of the scheduler that calls it (the scheduler imports the policies,
+    so they name only this)."""
+
+    waiting: deque[Sequence]
+    running: list[Sequence]
+    swapped: deque[Sequence]
+    backlog: Mapping[str, int]  # tenant -> its requests waiting or swapped out, none at zero
+
 
 __all__ = ["DEFAULT_TENANT", "AdmissionCursor", "FairPolicy", "FcfsPolicy", "Policy", "PriorityPolicy", "make_policy"]
 
@@ -83,7 +91,7 @@ class Policy:
         """The running sequence to preempt; `candidates` are in running order, oldest admitted first."""
         return candidates[-1]
 
-    def on_arrival(self, seq: Sequence, scheduler: Scheduler) -> None:
+    def on_arrival(self, seq: Sequence, scheduler: Queues) -> None:
         """A new sequence is about to join the waiting queue."""
 
     def charge(self, tenant: str, num_prompt_tokens: int, num_generated_tokens: int) -> None:
@@ -169,7 +177,7 @@ class FairPolicy(Policy):
         top = max(self.counter(s.request.tenant) for s in candidates)
         return [s for s in candidates if self.counter(s.request.tenant) == top][-1]
 
-    def on_arrival(self, seq: Sequence, scheduler: Scheduler) -> None:
+    def on_arrival(self, seq: Sequence, scheduler: Queues) -> None:
         tenant = seq.request.tenant
         backlogged = scheduler.backlog  # tenant -> its requests waiting or swapped out, none at zero
         if tenant in backlogged:
@@ -185,7 +193,7 @@ class FairPolicy(Policy):
             return min(self.counter(t) for t in backlogged)
         return self.counter(self.last_left) if self.last_left is not None else 0.0
 
-    def _forget_idle(self, scheduler: Scheduler, floor: float) -> None:
+    def _forget_idle(self, scheduler: Queues, floor: float) -> None:
         """Drop the counters of tenants with nothing unfinished whose counter is at most the floor:
         the floor never decreases (each arrival is lifted to at least it), so such a tenant would be
         lifted to at least its old counter on return anyway."""

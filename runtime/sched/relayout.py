@@ -80,10 +80,6 @@ class RelayoutPlan:
     tables: tuple[list[int] | None, ...]  # each input sequence's new table; None: it does not fit
 
     @property
-    def is_split(self) -> bool:
-        return self.new_block_size < self.old_block_size
-
-    @property
     def ratio(self) -> int:
         return max(self.old_block_size, self.new_block_size) // min(self.old_block_size, self.new_block_size)
 

@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
 
@@ -17,7 +17,39 @@ from kvpilot.runtime.server.protocol import APIError
 from kvpilot.runtime.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
-    from kvpilot.runtime.server.app import ServerState
+    from kvpilot.runtime.args import EngineArgs
+    from kvpilot.runtime.config import EngineConfig
+    from kvpilot.runtime.server.async_engine import AsyncEngine
+    from kvpilot.runtime.server.metrics import ServerMetrics
+    from kvpilot.runtime.server.openai_serving import OpenAIServing
+    from kvpilot.runtime.tokenizer import Tokenizer
+
+
+class AdminSettings(Protocol):
+    """What the admin routes read of `app.ServerConfig`."""
+
+    admin_token: str | None
+    allowed_model_root: str | None
+    drain_timeout: float
+
+
+class ServerState(Protocol):
+    """What the admin routes use of the server's state (`app.ServerState`, whose module imports
+    this one, so it is named here only by what it holds)."""
+
+    @property
+    def config(self) -> AdminSettings: ...
+
+    engine: AsyncEngine
+    engine_args: EngineArgs | None
+    metrics: ServerMetrics
+    serving: OpenAIServing
+    model_name: str
+    draining: bool
+    reloading: bool
+    reload_lock: asyncio.Lock
+
+    def set_model(self, engine_config: EngineConfig, tokenizer: Tokenizer | None) -> None: ...
 
 
 def add_admin_routes(app: FastAPI, state: ServerState) -> None:

@@ -15,6 +15,7 @@ finish, bounded by `drain_timeout`; then whatever is left is aborted and uvicorn
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import time
@@ -39,6 +40,7 @@ from kvpilot.runtime.server.metrics import ServerMetrics
 from kvpilot.runtime.server.openai_serving import OpenAIServing
 from kvpilot.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kvpilot.runtime.server.tenants import APIKeys, resolve_tenant
+from kvpilot.runtime.startup import StartupLog, startup_record
 from kvpilot.runtime.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -80,17 +82,25 @@ class ServerState:
     """What the routes share: the engine front, metrics, and the draining flag."""
 
     def __init__(self, engine_config: EngineConfig, config: ServerConfig, engine_args: EngineArgs | None = None,
-                 engine_factory: Any = None) -> None:
+                 engine_factory: Any = None, startup: StartupLog | None = None,
+                 engine: AsyncEngine | None = None) -> None:
         self.config = config
+        # where start-up time went (runtime/startup.py): completed when the socket listens
+        self.startup = startup or StartupLog("api", [])
+        self.startup_record: dict[str, Any] | None = None
         self.engine_args = engine_args  # what /reload changes the model of; None: no reloads
         self.draining = False
         self.reloading = False
         self.started = False
         self.device = engine_config.device.device
         self.metrics = ServerMetrics(engine_config.model.served_model_name, self.known_tenants)
-        tokenizer = load_tokenizer(engine_config)
-        self.engine = AsyncEngine(engine_config, tokenizer, max_queue_len=config.max_queue_len,
-                                  on_step=self.metrics.record, engine_factory=engine_factory)
+        with self.startup.phase("tokenizer"):
+            tokenizer = load_tokenizer(engine_config)
+        if engine is None:
+            engine = AsyncEngine(engine_config, max_queue_len=config.max_queue_len, engine_factory=engine_factory)
+        engine.attach_tokenizer(tokenizer)
+        engine.on_step = self.metrics.record
+        self.engine = engine
         self.serving = OpenAIServing(self.engine, tokenizer, self.metrics.model_name, self._refusal,
                                      max_queue_len=config.max_queue_len,
                                      trust_request_chat_template=config.trust_request_chat_template,
@@ -124,6 +134,13 @@ class ServerState:
                             type="service_unavailable_error", code="reloading")
         return None
 
+    def report_startup(self) -> None:
+        """Log the start-up record, one JSON line, and keep it for `GET /ready`."""
+        phases = self.startup.as_list() + self.engine.core_startup
+        self.startup_record = startup_record(self.startup.phases[0].start if self.startup.phases else time.time(),
+                                             time.time(), phases)
+        logger.info("startup: %s", json.dumps(self.startup_record))
+
     async def drain(self) -> None:
         """Stop admitting; let admitted requests finish within the grace period; abort the rest."""
         self.draining = True
@@ -139,7 +156,8 @@ def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         try:
-            await state.engine.start()
+            with state.startup.phase("engine_core"):  # spawned, until its engine is built
+                await state.engine.start()
         except BaseException:
             await state.engine.stop()
             raise
@@ -208,6 +226,8 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             "num_blocks": snap.num_blocks,
             "draining": state.draining,
             "reloading": state.reloading,
+            # start-up work done after Ready (other block sizes' kernels and graphs) still runs
+            "warming_up": snap.warming_up,
             "device": await _device_memory(state),
         }
         if not state.engine.is_alive:
@@ -232,7 +252,7 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"ready": False, "reason": reason}, status_code=503)
         if not state.engine.is_alive:
             return JSONResponse({"ready": False, "reason": "engine not running"}, status_code=503)
-        return JSONResponse({"ready": True, "model": state.model_name})
+        return JSONResponse({"ready": True, "model": state.model_name, "startup": state.startup_record})
 
     @app.api_route("/version", methods=["GET", "HEAD"])
     async def version_() -> dict[str, str]:
@@ -288,6 +308,8 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list[Any] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if self.started:  # listening: requests are served from here on
+            self.state.report_startup()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is not None or self._loop is None:
@@ -305,10 +327,11 @@ class DrainingServer(uvicorn.Server):
 
 
 def make_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "info",
-                engine_args: EngineArgs | None = None, engine_factory: Any = None) -> DrainingServer:
-    """The server; its lifespan spawns the engine core from `engine_config` (built there by
-    `engine_factory(engine_config)`, default `LLMEngine`)."""
-    state = ServerState(engine_config, config, engine_args, engine_factory)
+                engine_args: EngineArgs | None = None, engine_factory: Any = None,
+                startup: StartupLog | None = None, engine: AsyncEngine | None = None) -> DrainingServer:
+    """The server; its lifespan starts the engine core from `engine_config` (built there by
+    `engine_factory(engine_config)`, default `LLMEngine`), or waits for `engine`'s, spawned earlier."""
+    state = ServerState(engine_config, config, engine_args, engine_factory, startup, engine)
     uv_config = uvicorn.Config(build_app(state), host=config.host, port=config.port, log_level=log_level,
                                timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
                                http=header_timeout_protocol(config.header_read_timeout))

@@ -128,6 +128,7 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot()
         self.vocab_size: int | None = None  # the model's, told by the core when it is ready
         self.core_pid: int | None = None
+        self.core_startup: list[dict[str, Any]] = []  # the core's start-up phases, from its Ready
         self._processor = OutputProcessor(tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._admissions: dict[str, asyncio.Future[None]] = {}
@@ -148,13 +149,44 @@ class AsyncEngine:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
+    def spawn(self) -> None:
+        """Start the engine core's process, before any event loop runs if need be: `kvpilot serve`
+        calls this first, so the core imports torch and builds its engine while this process
+        imports the server and loads the tokenizer. The core connects to sockets that `start()`
+        binds later (ZeroMQ queues its messages until then)."""
+        if self._proc is not None:
+            return
+        self._ipc_dir = tempfile.mkdtemp(prefix="kvpilot-core-")
+        # not a daemon: the core starts its own processes for tensor parallelism
+        proc = self._proc = multiprocessing.get_context("spawn").Process(
+            target=run_core, name="kvpilot-engine-core", daemon=False,
+            args=(self.config, f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output", self.max_queue_len,
+                  self.engine_factory, logging.getLogger("kvpilot").getEffectiveLevel()))
+        proc.start()
+        self.core_pid = proc.pid
+
+    def abandon(self) -> None:
+        """Kill a core that `spawn()` started and `start()` never waited for (the server failed to
+        come up): multiprocessing would otherwise wait for it at exit."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.kill()
+            proc.join()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
+
+    def attach_tokenizer(self, tokenizer: Tokenizer | None) -> None:
+        """The tokenizer, loaded after `spawn()` (it takes seconds that the core's start overlaps)."""
+        self._use(self.config, tokenizer)
+
     async def start(self) -> None:
-        """Spawn the engine core and wait until its engine is built; raises `EngineDeadError` if
-        it fails to start."""
+        """Spawn the engine core (unless `spawn()` did) and wait until its engine is built; raises
+        `EngineDeadError` if it fails to start."""
         loop = self._loop = asyncio.get_running_loop()
         self.error = None
         self._stopping = False
-        self._ipc_dir = tempfile.mkdtemp(prefix="kvpilot-core-")
+        self.spawn()
         ctx = self._ctx = zmq.asyncio.Context()
         self._input = ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
@@ -163,13 +195,8 @@ class AsyncEngine:
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(f"ipc://{self._ipc_dir}/output")
         self._ready = loop.create_future()
-        # not a daemon: the core starts its own processes for tensor parallelism
-        proc = self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_core, name="kvpilot-engine-core", daemon=False,
-            args=(self.config, f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output", self.max_queue_len,
-                  self.engine_factory, logging.getLogger("kvpilot").getEffectiveLevel()))
-        proc.start()
-        self.core_pid = proc.pid
+        proc = self._proc
+        assert proc is not None
         loop.add_reader(proc.sentinel, self._on_core_exit, proc)
         self._reader = asyncio.create_task(self._read_loop())
         try:
@@ -369,6 +396,7 @@ class AsyncEngine:
                 elif isinstance(msg, Ready):
                     self.snapshot = msg.snapshot
                     self.vocab_size = msg.vocab_size
+                    self.core_startup = msg.startup
                     self._publish([], None)
                     if self._ready is not None and not self._ready.done():
                         self._ready.set_result(None)

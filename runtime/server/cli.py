@@ -54,35 +54,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvpilot.runtime.startup import StartupLog, starting_phase
+
+    startup = StartupLog("api", [starting_phase("interpreter", "api")])
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvpilot.runtime.args import EngineArgs
+    from kvpilot.runtime.caches import ensure_writable_caches
     from kvpilot.runtime.model_source import ModelSourceError
-    from kvpilot.runtime.server.app import ServerConfig
-    from kvpilot.runtime.server.tenants import APIKeys
+
+    ensure_writable_caches()
 
     try:
-        server_config = ServerConfig(
-            host=args.host, port=args.port,
-            api_key=args.api_key or os.environ.get("KVPILOT_API_KEY") or None,
-            api_keys=APIKeys.load(args.api_key_file) if args.api_key_file else None,
-            admin_token=args.admin_token or os.environ.get("KVPILOT_ADMIN_TOKEN") or None,
-            max_queue_len=args.max_queue_len, disable_log_stats=args.disable_log_stats,
-            metric_interval=args.metric_interval, drain_timeout=args.drain_timeout,
-            allowed_model_root=args.allowed_model_root, max_request_body_bytes=args.max_request_body_bytes,
-            header_read_timeout=args.header_read_timeout,
-            trust_request_chat_template=args.trust_request_chat_template, enable_docs=args.enable_docs,
-        )
         engine_args = EngineArgs.from_cli(args)
         if args.tuned_config:
             engine_args = engine_args.with_tuned_config(args.tuned_config)
-        engine_config = engine_args.create_engine_config()
+        with startup.phase("config"):  # the model resolved (a GGUF file converted once)
+            engine_config = engine_args.create_engine_config()
     except (ValueError, ModelSourceError) as e:
         print(f"kvpilot serve: error: {_as_flag(str(e))}", file=sys.stderr)
         return 2
 
-    from kvpilot.runtime.server.app import make_server
+    from kvpilot.runtime.server.async_engine import AsyncEngine
 
-    server = make_server(engine_config, server_config, log_level=args.log_level, engine_args=engine_args)
+    # the core first: it imports torch and builds its engine while this process imports the
+    # server (FastAPI: seconds) and loads the tokenizer
+    engine = AsyncEngine(engine_config, max_queue_len=args.max_queue_len)
+    engine.spawn()
+    try:
+        with startup.phase("server_imports"):
+            from kvpilot.runtime.server.app import ServerConfig, make_server
+            from kvpilot.runtime.server.tenants import APIKeys
+        try:
+            server_config = ServerConfig(
+                host=args.host, port=args.port,
+                api_key=args.api_key or os.environ.get("KVPILOT_API_KEY") or None,
+                api_keys=APIKeys.load(args.api_key_file) if args.api_key_file else None,
+                admin_token=args.admin_token or os.environ.get("KVPILOT_ADMIN_TOKEN") or None,
+                max_queue_len=args.max_queue_len, disable_log_stats=args.disable_log_stats,
+                metric_interval=args.metric_interval, drain_timeout=args.drain_timeout,
+                allowed_model_root=args.allowed_model_root, max_request_body_bytes=args.max_request_body_bytes,
+                header_read_timeout=args.header_read_timeout,
+                trust_request_chat_template=args.trust_request_chat_template, enable_docs=args.enable_docs,
+            )
+        except ValueError as e:
+            engine.abandon()
+            print(f"kvpilot serve: error: {_as_flag(str(e))}", file=sys.stderr)
+            return 2
+        server = make_server(engine_config, server_config, log_level=args.log_level, engine_args=engine_args,
+                             startup=startup, engine=engine)
+    except BaseException:
+        engine.abandon()
+        raise
     server.run()
     return 0
 

@@ -28,6 +28,7 @@ from prometheus_client import (
 
 from kvpilot.runtime.engine.core import EngineSnapshot, StepStatsMsg
 from kvpilot.runtime.outputs import RequestOutput
+from kvpilot.runtime.tunables import PREEMPTION_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,6 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0)
 _ITERATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-PREEMPTION_MODES = ("recompute", "swap")
 MAX_TENANT_LABELS = 16
 OTHER_TENANTS = "other"
 TOKEN_KINDS = ("prompt", "generation")

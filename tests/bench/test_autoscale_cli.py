@@ -1,5 +1,6 @@
-"""`kvpilot bench autoscale` end to end through its add_arguments/run: a short day written as
-JSON and PNG, the table, and one clear error line for bad input."""
+"""`kvpilot bench autoscale` end to end through its add_arguments/run: short days written as JSON
+and PNG, settings chosen on some days and judged on others, the comparisons, and one clear error
+line for bad input."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 from kvpilot.bench import autoscale
 
 EXAMPLE = Path(__file__).parent / "data" / "example-capacity-curve.json"
+SHORT = ("--capacity-curve", str(EXAMPLE), "--duration", "1200", "--peak-rate", "40", "--self-check-requests", "2000",
+         "--disable-tqdm")
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -20,99 +23,77 @@ def parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def test_a_short_day_writes_json_and_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_days_chosen_on_and_judged_on_write_json_a_png_and_the_comparisons(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "results" / "autoscale.json"
-    args = parse("--capacity-curve", str(EXAMPLE), "--duration", "3600", "--peak-rate", "40",
-                 "--self-check-requests", "3000", "--output", str(out), "--disable-tqdm")
+    args = parse(*SHORT, "--signals", "kvCacheUsage", "--headroom", "0.8", "0.6", "--tolerance", "0.05",
+                 "--forecast-horizon", "auto", "60", "--startup-delay", "45", "--seed", "3", "4", "--choose-on", "0",
+                 "--jobs", "2", "--output", str(out))
     assert autoscale.run(args) == 0
     body = json.loads(out.read_text())
-    names = [p["policy"] for p in body["policies"]]
-    assert names == ["static-peak", "hpa-queue", "builtin-kvCacheUsage", "builtin-waitingPerReplica",
-                     "builtin-preemptionRate", "builtin-ttftP99", "reactive-bound", "clairvoyant",
-                     "builtin-kvCacheUsage@0.85"]
-    static = body["policies"][0]
-    assert static["replica_hours_vs_static"] == 1.0 and static["num_scale_events"] == 0
-    assert static["max_replicas"] >= body["trace"]["peak"] / body["curve"]["slo_rate_per_replica"]
-    assert all(0 <= p["slo_attainment"] <= 1 and p["replica_hours"] > 0 for p in body["policies"])
-    assert len({p["num_requests"] for p in body["policies"]}) == 1  # the same arrivals for every policy
-    assert all(p["num_outside_slo"] == round(p["num_requests"] * (1 - p["slo_attainment"])) for p in body["policies"])
-    assert body["self_check"]["passed"] and body["self_check"]["max_error"] <= 0.10
-    # the yardsticks: knowing the load ahead never does worse than knowing it now
-    by_name = {p["policy"]: p for p in body["policies"]}
-    assert by_name["clairvoyant"]["slo_attainment"] >= by_name["reactive-bound"]["slo_attainment"]
-    assert body["curve"]["description"].startswith("EXAMPLE, NOT A MEASUREMENT")
-    assert len(body["timeline"]["builtin-ttftP99"]["replicas"]) == 60
+    judged = {f["name"]: f for f in body["judged"]["fleets"]}
+    families = {f["family"] for f in judged.values()}
+    assert families == {"static-peak", "reactive-bound", "clairvoyant"} | {
+        f"{mode}:kvCacheUsage" for mode in ("builtin", "builtin-reactive", "hpa", "keda")}
+    # every mode on every setting: 2 headrooms (x 2 horizons for builtin)
+    assert sum(f["family"] == "builtin:kvCacheUsage" for f in judged.values()) == 4
+    assert sum(f["family"] == "hpa:kvCacheUsage" for f in judged.values()) == 2
+    assert "builtin:kvCacheUsage h0.6 t0.05 z60" in judged and "builtin:kvCacheUsage h0.6 t0.05 z=start-up+interval" \
+        in judged
+    static = judged["static-peak"]
+    assert static["cost"] == 1.0 and static["num_scale_events"] == 0
+    # the same requests for every fleet of a day, and the judged days pooled
+    assert len({f["num_requests"] for f in judged.values()}) == 1
+    assert body["judged"]["seeds"] == [3, 4] and body["chosen_on"]["seeds"] == [0]
+    assert set(body["days"]) == {"0", "3", "4"} and body["days"]["3"]["peak"] != body["days"]["4"]["peak"]
+    # each family's choice is its cheapest setting meeting the goal on the days it was chosen on
+    chosen_on = {f["name"]: f for f in body["chosen_on"]["fleets"]}
+    for family, name in body["choice"].items():
+        settings = [f for f in chosen_on.values() if f["family"] == family]
+        meeting = [f for f in settings if f["attainment"] >= body["slo_goal"]]
+        expected = min(meeting, key=lambda f: f["cost"]) if meeting else max(settings, key=lambda f: f["attainment"])
+        assert chosen_on[name] == expected, family
+    kinds = {(c["kind"], c.get("theirs")) for c in body["comparisons"]}
+    assert ("frontier", "hpa:kvCacheUsage") in kinds and ("frontier", "keda:kvCacheUsage") in kinds
+    assert ("prediction", None) in kinds
+    assert body["config"]["startup_s"] == 45 and body["config"]["cluster"]["adapter_window_s"] == 60
+    assert body["self_check"]["passed"] and body["curve"]["short_runs"] is None
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert "self-check passed" in printed and "builtin-kvCacheUsage@0.85" in printed
+    assert "self-check passed" in printed and "judged on days 3, 4" in printed
+    assert "builtin:kvCacheUsage frontier vs hpa:kvCacheUsage:" in printed
     assert f"wrote {out}" in printed
 
 
-def test_a_trace_file_replaces_the_built_in_day_and_the_hpa_target_can_be_set(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    trace = tmp_path / "trace.csv"
-    trace.write_text("time_s,rate\n0,5\n600,5\n660,30\n1200,30\n")
-    args = parse("--capacity-curve", str(EXAMPLE), "--trace", str(trace), "--self-check-requests", "2000",
-                 "--hpa-target", "5", "--disable-tqdm")
-    assert autoscale.run(args) == 0
-    table = capsys.readouterr().out
-    assert "static-peak" in table and "3 replicas (30.0 req/s / 10.29 per replica)" in table
-    assert "waiting 5 per pod" in table
-
-
-def test_several_headrooms_simulate_each_policy_at_each_and_show_each_at_its_best(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_yardsticks_bound_what_knowing_the_load_buys(tmp_path: Path) -> None:
     out = tmp_path / "autoscale.json"
-    args = parse("--capacity-curve", str(EXAMPLE), "--duration", "3600", "--peak-rate", "40",
-                 "--self-check-requests", "2000", "--headroom", "0.6", "0.8", "--output", str(out), "--disable-tqdm")
-    assert autoscale.run(args) == 0
-    body = json.loads(out.read_text())
-    policies = {p["policy"]: p for p in body["policies"]}
-    assert {"builtin-kvCacheUsage h0.8", "builtin-kvCacheUsage h0.6", "hpa-queue h0.8", "hpa-queue h0.6",
-            "static-peak", "builtin-kvCacheUsage@0.85"} <= set(policies)
-    assert body["families"]["builtin-kvCacheUsage h0.6"] == "builtin-kvCacheUsage"
-    assert body["curve"]["target_rate_per_replica"] == pytest.approx({"0.8": 8.2286, "0.6": 6.1714}, rel=1e-3)
-    # a lower headroom is a lower target: kvCacheUsage on the curve at 0.6 rather than 0.8 of the SLO rate
-    def target(name: str) -> float:
-        return float(policies[name]["target"].split()[-1])
-    assert target("builtin-kvCacheUsage h0.6") < target("builtin-kvCacheUsage h0.8")
-    goal = body["slo_goal"]
-    for family, name in body["best"].items():
-        settings = [p for n, p in policies.items() if body["families"][n] == family]
-        meeting = [p for p in settings if p["slo_attainment"] >= goal]
-        chosen = min(meeting, key=lambda p: p["replica_hours"]) if meeting else \
-            max(settings, key=lambda p: p["slo_attainment"])
-        assert policies[name] == chosen, family
-    printed = capsys.readouterr().out
-    assert "each policy at its best" in printed
+    assert autoscale.run(parse(*SHORT, "--modes", "builtin", "--signals", "kvCacheUsage", "--output", str(out))) == 0
+    judged = {f["family"]: f for f in json.loads(out.read_text())["judged"]["fleets"]}
+    assert judged["clairvoyant"]["attainment"] >= judged["reactive-bound"]["attainment"]
+    assert set(judged) == {"static-peak", "builtin:kvCacheUsage", "reactive-bound", "clairvoyant"}
 
 
-def test_the_tolerance_reaches_every_policy_that_has_one(tmp_path: Path) -> None:
-    events = {}
-    for tolerance in ("0", "0.9"):
-        out = tmp_path / f"tolerance-{tolerance}.json"
-        args = parse("--capacity-curve", str(EXAMPLE), "--duration", "3600", "--peak-rate", "40",
-                     "--self-check-requests", "2000", "--tolerance", tolerance, "--output", str(out), "--disable-tqdm")
-        assert autoscale.run(args) == 0
-        body = json.loads(out.read_text())
-        assert body["tolerance"] == float(tolerance)
-        events[tolerance] = {p["policy"]: p["num_scale_events"] for p in body["policies"]}
-    # a ratio within 90% of the target moves nothing: far fewer scalings than at 0
-    for name in ("hpa-queue", "builtin-kvCacheUsage", "builtin-waitingPerReplica"):
-        assert events["0.9"][name] < events["0"][name], name
-    # the yardsticks have no tolerance
-    assert events["0.9"]["reactive-bound"] == events["0"]["reactive-bound"]
+def test_a_curve_of_short_runs_is_said_to_be_short(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    body = json.loads(EXAMPLE.read_text())
+    for point in body["points"]:
+        point |= {"num_requests": 300, "duration_s": 300 / point["request_rate"] + 2.0}
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps(body))
+    argv = [a if a != str(EXAMPLE) else str(short) for a in SHORT]
+    autoscale.run(parse(*argv, "--modes", "builtin", "--signals", "kvCacheUsage"))
+    assert "the curve's runs hold 300-300 requests a rate, fewer than the 1,000 of a sustained run" in \
+        capsys.readouterr().out
 
 
 def test_a_written_trace_replays_the_built_in_day_exactly(tmp_path: Path) -> None:
-    common = ("--capacity-curve", str(EXAMPLE), "--self-check-requests", "2000", "--disable-tqdm")
+    common = (*SHORT, "--modes", "hpa", "--signals", "waitingPerReplica")
     trace = tmp_path / "day.csv"
-    assert autoscale.run(parse(*common, "--duration", "1800", "--peak-rate", "40", "--write-trace", str(trace),
-                               "--output", str(tmp_path / "built-in.json"))) == 0
+    assert autoscale.run(parse(*common, "--write-trace", str(trace), "--output", str(tmp_path / "built-in.json"))) == 0
     assert trace.read_text().startswith("time_s,rate\n0.0,")
-    assert autoscale.run(parse(*common, "--trace", str(trace), "--output", str(tmp_path / "file.json"))) == 0
+    file_args = [a for a in common if a not in ("--duration", "1200", "--peak-rate", "40")]
+    assert autoscale.run(parse(*file_args, "--trace", str(trace), "--output", str(tmp_path / "file.json"))) == 0
     built_in, replayed = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("built-in", "file"))
-    assert replayed["policies"] == built_in["policies"]
-    assert replayed["trace"]["peak"] == built_in["trace"]["peak"]
+    assert replayed["judged"]["fleets"] == built_in["judged"]["fleets"]
 
 
 def test_a_curve_without_gauges_compares_what_it_can(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -122,13 +103,12 @@ def test_a_curve_without_gauges_compares_what_it_can(tmp_path: Path, capsys: pyt
             del point[gauge]
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps(body))
-    args = parse("--capacity-curve", str(bare), "--duration", "1200", "--self-check-requests", "2000",
-                 "--disable-tqdm")
-    assert autoscale.run(args) == 0
-    printed = capsys.readouterr().out
-    assert "builtin-ttftP99" in printed
-    assert "hpa-queue: not simulated: the curve carries no num_requests_waiting" in printed
-    assert "builtin-kvCacheUsage: not simulated: the curve carries no kv_cache_usage" in printed
+    out = tmp_path / "bare-results.json"
+    argv = [a if a != str(EXAMPLE) else str(bare) for a in SHORT]
+    assert autoscale.run(parse(*argv, "--signals", "kvCacheUsage", "ttftP99", "--output", str(out))) == 0
+    families = {f["family"] for f in json.loads(out.read_text())["judged"]["fleets"]}
+    assert {"builtin:ttftP99", "builtin-reactive:ttftP99"} <= families and "hpa:ttftP99" not in families
+    assert "hpa:kvCacheUsage" not in families
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -136,6 +116,8 @@ def test_a_curve_without_gauges_compares_what_it_can(tmp_path: Path, capsys: pyt
     (["--slo-ttft-ms", "10"], "slo: even the curve's lowest rate (1 req/s) misses P99 TTFT 10 ms"),
     (["--trace", "__TMP__/bad.csv"], "bad.csv: point 1: time_s and rate must be numbers"),
     (["--self-check-requests", "500"], "(--self-check-requests): at least 2000"),
+    (["--pending", "200"], "pending_s: must lie in [0, startup_s = 120]"),
+    (["--jobs", "0"], "jobs: must be >= 1"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
                                       message: str) -> None:
@@ -149,12 +131,10 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_bad_flags_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        parse("--capacity-curve", str(EXAMPLE), "--headroom", "1.5")
-    assert "must lie in (0, 1]" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parse("--capacity-curve", str(EXAMPLE), "--slo-goal", "101")
-    assert "must lie in (0, 100]" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parse("--capacity-curve", str(EXAMPLE), "--tolerance", "1")
-    assert "must lie in [0, 1)" in capsys.readouterr().err
+    for flag, value, message in (("--headroom", "1.5", "must be a number in (0, 1]"),
+                                 ("--slo-goal", "101", "must be a number in (0, 100]"),
+                                 ("--tolerance", "1", "must be a number in [0, 1)"), ("--forecast-horizon", "soon", "soon"),
+                                 ("--modes", "vpa", "invalid choice")):
+        with pytest.raises(SystemExit):
+            parse("--capacity-curve", str(EXAMPLE), flag, value)
+        assert message in capsys.readouterr().err

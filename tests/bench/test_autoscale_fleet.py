@@ -14,16 +14,17 @@ import pytest
 
 from kvpilot.bench import fleet
 from kvpilot.bench.arrival_trace import Trace
+from kvpilot.bench.autoscale_scrapes import TTFT_BUCKETS
 from kvpilot.bench.capacity_curve import load_curve, parse_curve
-from kvpilot.bench.fleet import TTFT_BUCKETS, Foresight, Pipeline, Policy, SimConfig, simulate
+from kvpilot.bench.fleet import Foresight, Pipeline, Policy, SimConfig, simulate
 from kvpilot.bench.loadgen import arrival_times
 from kvpilot.bench.self_check import finite_run_throughput, self_check
 from kvpilot.operator.autoscale import ScalingSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 CURVE = load_curve(Path(__file__).parent / "data" / "example-capacity-curve.json")
-CONFIG = SimConfig(startup_s=120.0, metrics_lag_s=5.0, slo_ttft_s=1.0)
-SCRAPES = Pipeline(15.0, "mean")
+CONFIG = SimConfig(startup_s=120.0, slo_ttft_s=1.0)
+SCRAPES = Pipeline(15.0)
 
 
 def steady(rate: float, duration_s: float) -> Trace:
@@ -43,7 +44,8 @@ def test_one_simulated_replica_reproduces_the_curve_within_10_percent() -> None:
 
 def test_the_self_check_fails_on_a_replica_model_that_ignores_the_tail(monkeypatch: pytest.MonkeyPatch) -> None:
     def medians_only(percentiles: np.ndarray, u: np.ndarray) -> np.ndarray:
-        return np.repeat(np.asarray(percentiles)[..., :1], len(u), axis=-1)
+        p50 = np.asarray(percentiles)[..., 0]
+        return np.broadcast_to(p50, np.broadcast_shapes(p50.shape, u.shape)).copy()
     monkeypatch.setattr(fleet, "sample", medians_only)
     check = self_check(CURVE, CONFIG, requests_per_point=2000)
     assert not check.passed and "FAILED" in check.describe()
@@ -155,6 +157,8 @@ def test_a_bad_config_names_the_field() -> None:
         SimConfig(startup_s=-1)
     with pytest.raises(ValueError, match="slo_ttft_s: must be positive"):
         SimConfig(slo_ttft_s=0)
+    with pytest.raises(ValueError, match=r"pending_s: must lie in \[0, startup_s = 4\]"):
+        SimConfig(startup_s=4)
 
 
 def finite_runs(record_runs: bool) -> dict[str, Any]:
@@ -240,3 +244,14 @@ def test_a_scaled_down_replica_drains_faster_than_its_load_served(seed: int) -> 
     drain = float(sim.busy_until[removed.slot]) - removed.removed_at
     assert 0 < drain < fleet.e2e_p50(CURVE, 6.0) == pytest.approx(2.478)
     assert result.replica_seconds == pytest.approx(3 * 900 + removed.removed_at + drain)
+
+
+def test_the_requests_counted_within_the_slo_are_those_the_draws_put_within_it() -> None:
+    # one replica near its capacity, and then over it: the fleet counts from the distribution,
+    # the record draws each request; both from the same rows and waits
+    config = dataclasses.replace(CONFIG, slo_ttft_s=0.3)
+    result = simulate(CURVE, step(8.0, 13.0, 300, 600), Policy("one", None, SCRAPES, 1), config,
+                      record_latencies=True)
+    drawn = int((np.concatenate(result.latencies["ttft"]) <= config.slo_ttft_s).sum())
+    assert 0.2 < result.slo_attainment < 0.9
+    assert result.num_met == pytest.approx(drawn, rel=0.05)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvpilot.bench.arrival_trace import TraceError, day_trace, load_trace
-from kvpilot.bench.capacity_curve import CurveError, load_curve, parse_curve, sample
+from kvpilot.bench.capacity_curve import CurveError, load_curve, parse_curve, sample, share_within
 
 EXAMPLE = Path(__file__).parent / "data" / "example-capacity-curve.json"
 
@@ -121,7 +121,7 @@ def test_the_highest_rate_meeting_the_slo() -> None:
 
 def test_draws_through_three_percentiles_give_them_back() -> None:
     u = np.random.default_rng(0).exponential(size=400_000)
-    drawn = sample(np.array([[0.1, 0.3, 0.9], [1.0, 1.1, 1.5]]), u)
+    drawn = sample(np.array([[0.1, 0.3, 0.9], [1.0, 1.1, 1.5]])[:, None, :], u)
     assert drawn.shape == (2, len(u))
     assert np.percentile(drawn[0], [50, 90, 99]) == pytest.approx([0.1, 0.3, 0.9], rel=0.02)
     assert np.percentile(drawn[1], [50, 90, 99]) == pytest.approx([1.0, 1.1, 1.5], rel=0.02)
@@ -203,3 +203,11 @@ def test_the_built_in_day_has_a_trough_peaks_and_bursts() -> None:
     assert squeezed.duration_s == pytest.approx(3600) and squeezed.peak == pytest.approx(100.0)
     assert math.isclose(float(np.argmax(squeezed.rates)) / len(squeezed.rates),
                         float(np.argmax(calm.rates)) / len(calm.rates), abs_tol=0.01)
+
+
+@pytest.mark.parametrize("percentiles", [(0.1, 0.3, 0.9), (0.5, 0.5, 0.9), (0.1, 0.3, 0.3), (0.2, 0.2, 0.2)])
+def test_the_share_within_a_limit_is_that_of_the_draws(percentiles: tuple[float, float, float]) -> None:
+    drawn = sample(np.array(percentiles), np.random.default_rng(0).exponential(size=200_000))
+    limits = np.array([-0.1, 0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.9, 2.0])
+    assert share_within(np.array(percentiles), limits) == pytest.approx([(drawn <= x).mean() for x in limits],
+                                                                         abs=0.004)

@@ -171,3 +171,17 @@ def test_engine_monitoring_and_keda_values_become_operator_flags_it_accepts(char
     assert args.prometheus_address == "http://prometheus-operated.monitoring.svc:9090"
     off = parser.parse_args(_args(render(chart)))
     assert not off.engine_monitoring and off.prometheus_address is None
+
+
+def test_engine_cache_value_becomes_the_operator_flag(chart: Any) -> None:
+    import argparse
+
+    from kvpilot.operator import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    shared = parser.parse_args(_args(render(chart, {"engineCache": {"hostPath": "/var/cache/kvpilot"}})))
+    assert shared.engine_cache_host_path == "/var/cache/kvpilot"
+    assert parser.parse_args(_args(render(chart))).engine_cache_host_path is None
+    with pytest.raises(helm_python.HelmValuesError):
+        render(chart, {"engineCache": {"hostPath": "relative/path"}})

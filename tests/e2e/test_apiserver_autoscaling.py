@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,22 @@ def test_mode_builtin_writes_replicas_through_the_scale_subresource(control_plan
     decision = eventually(recorded, what="the scale decision in status.decisions")
     assert (decision["from"], decision["to"]) == ("1", "2")
     assert "below minReplicas 2" in str(decision["reason"])
+
+    # No kubelet here: the test plays one, marking a pod Ready 37 s after its creation. The
+    # operator reads the start-up from the pod's conditions into status, which the real API
+    # server's structural schema keeps.
+    pods = eventually(lambda: json.loads(control_plane.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)
+                      ["items"], what="the Deployment's pods")
+    created = datetime.fromisoformat(pods[0]["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
+    ready = (created + timedelta(seconds=37)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    control_plane.kubectl("patch", "pod", pods[0]["metadata"]["name"], "-n", namespace, "--subresource=status",
+                          "--type=merge", "-p", json.dumps({"status": {"phase": "Running", "conditions": [
+                              {"type": "Ready", "status": "True", "lastTransitionTime": ready}]}}))
+
+    def startup() -> dict[str, object] | None:
+        return (control_plane.get("kvis", "smol", namespace) or {}).get("status", {}).get("scaling", {}).get("startup")
+    assert eventually(startup, what="status.scaling.startup") == {"seconds": 37.0, "recent": [37.0],
+                                                                   "lastReadyTime": ready}
 
 
 def test_missing_keda_and_prometheus_operator_are_conditions(control_plane: ControlPlane,

@@ -175,3 +175,49 @@ def test_the_operator_met_no_403_and_no_409(operator: OperatorProcess) -> None:
     the GET may conflict: it runs again on fresh data, as any controller's would.)"""
     assert [line for line in operator.log_lines("Forbidden") if "exceeded quota" not in line] == []
     assert [line for line in operator.log_lines("Conflict") if "inferenceservices" in line] == []
+
+
+def test_an_engine_that_cannot_start_is_degraded_with_its_own_message(
+        control_plane: ControlPlane, operator: OperatorProcess, tmp_path: Path) -> None:
+    """spec.model.quantization reaches the pod; when the checkpoint contradicts it, `kvpilot serve`
+    refuses to start with one line naming both, and that line (the container's termination message,
+    which the kubelet takes from the log tail) becomes the Degraded condition."""
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import save_file
+
+    from kvpilot.runtime.model_source import load_preset
+
+    folder = tmp_path / "awq-model"  # a checkpoint whose config says AWQ (the engine stops before its weights)
+    folder.mkdir()
+    config = {**load_preset("tiny-llama"), "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}}
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({"model.norm.weight": torch.ones(4)}, str(folder / "model.safetensors"))
+    namespace = new_namespace(control_plane, "quant")
+    create(control_plane, namespace, "awq", {"model": {"source": f"hostpath://{folder}", "quantization": "fp8"},
+                                             "resources": {"gpus": 0}})
+    reconciled(control_plane, namespace, "awq")
+    args = control_plane.get("deployment", "awq", namespace)["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
+    assert args[args.index("--quantization") + 1] == "fp8"
+
+    # the pod's command, run here on the folder the pod would mount
+    args[args.index("--model") + 1] = str(folder)
+    served = subprocess.run([str(Path(sys.executable).parent / "kvpilot"), "serve", *args], capture_output=True,
+                            text=True, timeout=300)
+    assert served.returncode == 2
+    last_line = served.stderr.strip().splitlines()[-1]
+    assert "fp8 does not match" in last_line and "(awq, in" in last_line
+    (pod,) = json.loads(control_plane.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
+    crashed = {"status": {"containerStatuses": [{  # as the kubelet reports a crash-looping container
+        "name": "server", "ready": False, "restartCount": 1, "image": "kvpilot:test", "imageID": "",
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 2, "reason": "Error", "message": served.stderr[-2048:]}},
+    }]}}
+    control_plane.kubectl("patch", "pod", pod["metadata"]["name"], "-n", namespace, "--subresource=status",
+                          "--type=merge", "-p", json.dumps(crashed))
+    obj = eventually(lambda: (o := control_plane.get("kvis", "awq", namespace)) and
+                     condition(o, "Degraded") == ("True", "EngineFailed") and o, what="Degraded=True EngineFailed")
+    message = next(c["message"] for c in obj["status"]["conditions"] if c["type"] == "Degraded")
+    assert message == f"pod {pod['metadata']['name']}: {last_line}"

@@ -113,7 +113,7 @@ def test_scale_up_never_waits() -> None:
 
 def test_one_pass_changes_either_the_replicas_or_the_config() -> None:
     """The operator's pass: scaling first; when it scaled, tuning waits, though it wanted to act."""
-    pressured = dataclasses.replace(BASE, num_waiting_seqs=150.0)
+    pressured = dataclasses.replace(BASE, num_waiting_seqs=150.0, num_requests_waiting=150.0)
     windows = {"pod-0": pressured, "pod-1": dataclasses.replace(pressured, pod="pod-1")}
     scaling = ScalingSpec(enabled=True, metric="waitingPerReplica", target=50, max_replicas=8)
     scale = decide_replicas(windows, {"pod-0": "ready", "pod-1": "ready"}, 2, scaling, ScalerState(), now=1000.0)
@@ -127,7 +127,7 @@ def test_one_pass_changes_either_the_replicas_or_the_config() -> None:
 
 
 def test_both_kinds_of_decision_share_one_bounded_history() -> None:
-    pressured = dataclasses.replace(BASE, num_waiting_seqs=150.0)
+    pressured = dataclasses.replace(BASE, num_waiting_seqs=150.0, num_requests_waiting=150.0)
     spec = ScalingSpec(enabled=True, metric="waitingPerReplica", target=50, max_replicas=8)
     scale = decide_replicas({"pod-0": pressured}, {"pod-0": "ready"}, 1, spec, ScalerState(), now=1_700_000_000.0)
     tune = decide({"pod-0": pressured}, LiveConfig(16, "recompute", 256, 2048), TuningSpec(enabled=True),

@@ -41,7 +41,7 @@ BASE = summary()
 
 
 def waiting(*values: float) -> list[WindowSummary]:
-    return [dataclasses.replace(BASE, pod=f"pod-{i}", num_waiting_seqs=v) for i, v in enumerate(values)]
+    return [dataclasses.replace(BASE, pod=f"pod-{i}", num_requests_waiting=v) for i, v in enumerate(values)]
 
 
 def test_a_ratio_within_the_tolerance_changes_nothing() -> None:
@@ -111,7 +111,7 @@ def test_ttft_p99_comes_from_the_merged_histograms_of_the_service() -> None:
 
 def test_an_idle_service_reads_as_zero_latency_and_can_scale_down() -> None:
     spec = ScalingSpec(enabled=True, metric="ttftP99", target=1.0, max_replicas=10, behavior=NO_STABILISATION)
-    idle = [summary(p, requests=0, num_running_seqs=0.0, num_waiting_seqs=0.0) for p in ("a", "b", "c")]
+    idle = [summary(p, requests=0, num_running_seqs=0.0, num_requests_waiting=0.0) for p in ("a", "b", "c")]
     d = run(*idle, spec=spec)
     assert (d.value, d.desired) == (0.0, 1) and "idle" in d.reason
     busy = [dataclasses.replace(s, num_running_seqs=3.0) for s in idle]
@@ -248,7 +248,7 @@ KV = ScalingSpec(enabled=True, metric="kvCacheUsage", target=0.85, max_replicas=
 
 
 def pods_with(kv: float, queue: float, n: int = 2) -> dict[str, WindowSummary]:
-    return {f"pod-{i}": dataclasses.replace(BASE, pod=f"pod-{i}", kv_cache_usage=kv, num_waiting_seqs=queue)
+    return {f"pod-{i}": dataclasses.replace(BASE, pod=f"pod-{i}", kv_cache_usage=kv, num_requests_waiting=queue)
             for i in range(n)}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from crd_admission import openapi_schema
@@ -16,9 +16,10 @@ from pydantic.alias_generators import to_camel
 
 from kvpilot.operator.engine_args import serve_args
 from kvpilot.operator.model_source import resolve_model_source
-from kvpilot.operator.spec import EngineSpec, InferenceServiceSpec
+from kvpilot.operator.spec import EngineSpec, InferenceServiceSpec, ModelSpec
 from kvpilot.runtime.args import EngineArgs
 from kvpilot.runtime.cli import build_parser
+from kvpilot.runtime.config import QUANTIZATION_METHODS
 
 ENGINE_FIELDS = sorted(EngineSpec.model_fields)
 
@@ -63,3 +64,9 @@ def test_the_pod_runs_exactly_the_spec(engine: dict[str, Any]) -> None:
     parsed = vars(_serve(serve_args(spec, resolve_model_source("embedded"), "llama")))
     wanted = spec.engine.model_dump()
     assert {field: parsed[field] for field in ENGINE_FIELDS} == wanted
+
+
+def test_crd_and_operator_take_every_quantization_the_runtime_serves() -> None:
+    crd = openapi_schema()["properties"]["spec"]["properties"]["model"]["properties"]["quantization"]["enum"]
+    literal, _none = get_args(ModelSpec.model_fields["quantization"].annotation)
+    assert crd == list(get_args(literal)) == ["auto", *QUANTIZATION_METHODS]

@@ -43,3 +43,12 @@ def test_example_builds_valid_children(path: Path) -> None:
         for obj in (build_deployment(owner, desired.spec, desired.source, "kvpilot:test"),
                     build_service(owner), build_admin_secret(owner, "t"), build_pdb(owner, desired.spec)):
             kubernetes_validate.validate(obj, desired_version="1.33", strict=True)
+
+
+def test_awq_example_asks_its_pods_for_awq_weights() -> None:
+    doc = yaml.safe_load((EXAMPLES[0].parent / "llama-3-8b-awq.yaml").read_text())
+    doc["metadata"].update(namespace="default", uid="uid")
+    desired = parse(doc)
+    args = build_deployment(desired.owner, desired.spec, desired.source, "kvpilot:test")["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert args[args.index("--quantization") + 1] == "awq"

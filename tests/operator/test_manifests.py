@@ -125,6 +125,22 @@ def test_model_volume_is_mounted_read_only() -> None:
     assert {"name": "model", "hostPath": {"path": "/data/llama-2-70b"}} in host
 
 
+def test_engine_caches_are_the_pods_own_unless_the_operator_names_a_node_folder() -> None:
+    spec = _spec("embedded")
+    source = resolve_model_source(spec.model.source)
+    env = {e["name"]: e.get("value") for e in _container("embedded")["env"]}
+    # Triton's compiled kernels live in the cache volume, beside the engine's own cache
+    assert env["KVPILOT_CACHE"] == "/var/cache/kvpilot" and env["TRITON_CACHE_DIR"] == "/var/cache/kvpilot/triton"
+    assert {"name": "cache", "mountPath": "/var/cache/kvpilot"} in _container("embedded")["volumeMounts"]
+    own = _deployment("embedded")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "cache", "emptyDir": {}} in own
+    shared = build_deployment(OWNER, spec, source, "kvpilot:test", cache_host_path="/var/cache/kvpilot")
+    volumes = shared["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "cache", "hostPath": {"path": "/var/cache/kvpilot", "type": "DirectoryOrCreate"}} in volumes
+    assert [v["name"] for v in volumes].count("cache") == 1
+    kubernetes_validate.validate(shared, desired_version=KUBERNETES_VERSIONS[-1], strict=True)
+
+
 def test_secrets_come_through_the_environment() -> None:
     env = {e["name"]: e for e in _container("pvc-autotune")["env"]}
     assert env["KVPILOT_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "llama-admin", "key": "token"}

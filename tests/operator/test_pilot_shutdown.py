@@ -12,7 +12,7 @@ import pytest
 
 from kvpilot.operator.autoscale import ScalingSpec
 from kvpilot.operator.autotune import EngineLimits, TuningSpec
-from kvpilot.operator.controller import Key
+from kvpilot.operator.key import Key
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.manifests import Owner
 from kvpilot.operator.pilot import Pilot, Pilots, PilotSettings

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvpilot.operator.autoscale import ScalingSpec
+from kvpilot.operator.autoscale.scaling_spec import Forecasting
 from kvpilot.operator.autotune import TuningSpec
 from kvpilot.operator.model_source import SpecError
 from kvpilot.operator.pilot import classify
@@ -23,7 +24,7 @@ def test_the_crd_defaults_are_the_autotuners_and_the_autoscalers() -> None:
     """The article's rule (queue over 100: 8 and swap; else 16 and recompute) and HPA's behavior."""
     spec = _spec()
     assert tuning_spec(spec.autotune) == TuningSpec()
-    assert scaling_spec(spec.autoscaling) == ScalingSpec()
+    assert scaling_spec(spec.autoscaling) == ScalingSpec(forecast=Forecasting())  # builtin forecasts
 
 
 def test_every_field_reaches_the_tuning_spec() -> None:

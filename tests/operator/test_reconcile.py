@@ -43,6 +43,11 @@ class FakeKube:
         obj = self.objects.get((kind, namespace, name))
         return copy.deepcopy(obj) if obj else None
 
+    def list_objects(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        wanted = dict(pair.split("=", 1) for pair in selector.split(","))
+        return [copy.deepcopy(o) for (k, ns, _), o in self.objects.items() if k == kind and ns == namespace
+                and wanted.items() <= (o["metadata"].get("labels") or {}).items()]
+
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         self._write("create", obj["kind"], obj["metadata"]["name"])
         if (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]) in self.objects:

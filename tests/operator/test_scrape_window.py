@@ -24,7 +24,8 @@ def test_a_page_parses_into_settings_levels_counters_and_histograms() -> None:
     pod.serve(2, prompt_tokens=40, output_tokens=5)
     sample = parse_metrics(pod.text(), 10.0)
     assert (sample.settings.block_size, sample.settings.preemption_mode, sample.settings.num_gpu_blocks) == (32, "swap", 512)
-    assert sample.gauges == {"kv_cache_usage": 0.25, "num_waiting_seqs": 7, "num_running_seqs": 3, "num_swapped_seqs": 1}
+    assert sample.gauges == {"kv_cache_usage": 0.25, "num_waiting_seqs": 7, "num_running_seqs": 3, "num_swapped_seqs": 1,
+                             "num_requests_waiting": 7, "num_requests_running": 3}
     (tokens,) = sample.counters["prompt_tokens"].values()
     assert tokens.value == 80 and tokens.created is not None
     assert len(sample.counters["swap_bytes"]) == 2  # one series per direction

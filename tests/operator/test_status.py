@@ -8,6 +8,7 @@ from kvpilot.operator.spec import InferenceServiceSpec
 from kvpilot.operator.status import (
     api_error_status,
     build_status,
+    engine_failure,
     invalid_spec_status,
     merge_conditions,
     rollout_complete,
@@ -142,3 +143,33 @@ def test_a_persistent_api_error_is_degraded_and_keeps_the_rest() -> None:
     current = {"conditions": [{"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": ""}]}
     status = api_error_status(current, 3, "403 Forbidden: deployments.apps is forbidden", "t")
     assert _by_type(status["conditions"]) == {"Ready": ("True", "AllReplicasReady"), "Degraded": ("True", "ApiError")}
+
+
+MISMATCH = ("INFO kvpilot: loading\nkvpilot serve: error: --quantization: fp8 does not match the checkpoint's "
+            "quantization_config (awq, in /models/m); pass --quantization awq or auto\n")
+
+
+def _pod(name: str, ready: bool, state: dict[str, Any], last: dict[str, Any] | None = None,
+         container: str = "server") -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": {"containerStatuses": [
+        {"name": container, "ready": ready, "restartCount": 1, "state": state, "lastState": last or {}}]}}
+
+
+def test_an_engine_that_exits_with_an_error_is_degraded_with_its_last_line() -> None:
+    crashed = {"terminated": {"exitCode": 2, "reason": "Error", "message": MISMATCH}}
+    for pod in (_pod("llama-b", False, crashed), _pod("llama-b", False, {"waiting": {"reason": "CrashLoopBackOff"}}, crashed)):
+        got = engine_failure([_pod("llama-c", False, {"waiting": {"reason": "ContainerCreating"}}), pod])
+        assert got is not None and (got["type"], got["status"], got["reason"]) == ("Degraded", "True", "EngineFailed")
+        assert got["message"] == ("pod llama-b: kvpilot serve: error: --quantization: fp8 does not match the "
+                                  "checkpoint's quantization_config (awq, in /models/m); pass --quantization awq or auto")
+    without_message = {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}
+    assert engine_failure([_pod("p", False, without_message)])["message"] == "pod p: exit code 137 (OOMKilled)"  # type: ignore[index]
+
+
+def test_running_restarted_starting_or_other_containers_are_no_engine_failure() -> None:
+    crashed = {"terminated": {"exitCode": 2, "message": MISMATCH}}
+    assert engine_failure([]) is None
+    assert engine_failure([_pod("p", True, {"running": {}}, crashed)]) is None  # recovered since
+    assert engine_failure([_pod("p", False, {"running": {}}, crashed)]) is None  # starting again, not ready yet
+    assert engine_failure([_pod("p", False, {"terminated": {"exitCode": 0}})]) is None
+    assert engine_failure([_pod("p", False, crashed, container="sidecar")]) is None

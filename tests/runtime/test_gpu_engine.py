@@ -2,7 +2,7 @@
 transformers (CPU, float32) token for token on tiny random models, at every block size, with
 chunked prefill, padded graph batches and a live block-size change (graphs recaptured); eager mode
 gives the same tokens; a bf16 engine finishes a mixed batch and returns every block. Skipped
-without CUDA (CI has none: these run on the lent GPU, `benchmarks/run_on_gpu.sh`)."""
+without CUDA (CI has none: these run on a GPU machine, `benchmarks/run_on_gpu.sh`)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_float32_on_cuda_matches_hf(kind: str, block_size: int, models, monkeypa
     for prompt, out, n in zip(batch, outs, lengths, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, n)
     assert runner.graphs.replays > 0
-    # every allowed size's graphs are captured at start: the kernel is recorded if one of them can use it
+    # the start size's graphs are captured at start (the others after Ready, by the server's core)
     tma_readable = (any(size in tma_decode.BLOCK_SIZES for size in runner.captured_block_sizes)
                     and torch.cuda.get_device_capability()[0] >= 9)
     assert bool(tma_launches) == (tma_readable and unsplit)
@@ -172,4 +172,29 @@ def test_async_scheduling_on_cuda_gives_the_synchronous_outputs(models, preempti
     assert overlapped_lps == pytest.approx(synchronous_lps, abs=1e-3)
     assert engine.scheduler.num_preemptions > 0
     assert overlapped[0][0][0] == hf_greedy(hf, batch[0], 40)
+    assert_all_blocks_free(llm)
+
+
+def test_a_live_raise_of_max_num_seqs_captures_graphs_for_the_larger_batch(models) -> None:
+    """The decode graphs follow max_num_seqs, not the start's value: after 4 -> 12 a batch of 12
+    replays a graph (it would run eagerly on graphs of 4), with HF's tokens; a raise of
+    max_num_batched_tokens past what the memory was sized for is refused, changing nothing."""
+    folder, hf = models["llama"]
+    llm = LLM(folder, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=512, gpu_memory_utilization=0.2)
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.graphs.max_batch == 4
+    llm.engine.update_config({"max_num_seqs": 12})
+    graphs = runner.graphs
+    assert graphs is not None and graphs.max_batch == 12 and graphs.sizes == [1, 2, 4, 8, 12]
+    assert all(runner._graph_sets.get(size).max_batch == 12 for size in runner.captured_block_sizes)  # noqa: SLF001
+    batch = prompts(13, [5 + 7 * i for i in range(12)])
+    params = SamplingParams(temperature=0, max_tokens=12)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in batch]
+    assert graphs.replays > 0
+    before = llm.engine.live_config()
+    with pytest.raises(ValueError, match="max_num_batched_tokens: at most 512 on this engine"):
+        llm.engine.update_config({"max_num_batched_tokens": 1024, "max_num_seqs": 2})
+    assert llm.engine.live_config() == before
     assert_all_blocks_free(llm)

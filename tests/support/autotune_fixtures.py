@@ -40,7 +40,7 @@ class PodMetrics:
         self.registry, self.model = r, model
         self.gauges = {name: Gauge(name, name, m, registry=r).labels(model) for name in (
             "kvpilot_kv_cache_usage_ratio", "kvpilot_num_waiting_seqs", "kvpilot_num_running_seqs",
-            "kvpilot_num_swapped_seqs")}
+            "kvpilot_num_swapped_seqs", "vllm:num_requests_waiting", "vllm:num_requests_running")}
         self.preemptions = Counter("vllm:num_preemptions", "", m, registry=r).labels(model)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "", m, registry=r).labels(model)
         self.generation_tokens = Counter("vllm:generation_tokens", "", m, registry=r).labels(model)
@@ -63,8 +63,10 @@ class PodMetrics:
         self._info.labels(*self._info_labels).set(1)
 
     def set(self, waiting: float = 0, running: float = 0, swapped: float = 0, kv: float = 0.0) -> None:
+        # one sequence a request: requests and sequences count alike
         for name, value in (("kvpilot_num_waiting_seqs", waiting), ("kvpilot_num_running_seqs", running),
-                            ("kvpilot_num_swapped_seqs", swapped), ("kvpilot_kv_cache_usage_ratio", kv)):
+                            ("kvpilot_num_swapped_seqs", swapped), ("kvpilot_kv_cache_usage_ratio", kv),
+                            ("vllm:num_requests_waiting", waiting), ("vllm:num_requests_running", running)):
             self.gauges[name].set(value)
 
     def serve(self, requests: int, ttft: float = 0.05, itl: float = 0.02, e2e: float = 0.4,
@@ -105,6 +107,7 @@ def summary(pod: str = "pod-0", duration_s: float = 60.0, block_size: int = 16, 
         pod=pod, start=1000.0 - duration_s, end=1000.0, num_samples=int(duration_s // 10) or 1,
         settings=EngineSettings(block_size, mode, 1000), settings_changed=False, num_restarts=0,
         kv_cache_usage=0.2, num_waiting_seqs=0.0, num_running_seqs=4.0, num_swapped_seqs=0.0,
+        num_requests_waiting=fields.get("num_waiting_seqs", 0.0), arrivals_per_s=requests / duration_s,
         mean_context_tokens=300.0, preemptions_per_s=0.0, swap_bytes_per_s=0.0,
         prompt_tokens_per_s=100.0, generation_tokens_per_s=50.0,
         iteration_time=histogram([0.02] * requests, ITERATION_BUCKETS),

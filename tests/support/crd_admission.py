@@ -57,6 +57,8 @@ CEL_REJECTS: list[tuple[dict[str, Any], str]] = [
     ({"autoscaling": {"target": 4}}, "target for kvCacheUsage is a ratio"),  # the default metric
     ({"autoscaling": {"mode": "hpa", "window": "30s"}}, "window and interval are the cluster's with mode hpa"),
     ({"autoscaling": {"prometheusAddress": "http://prometheus:9090"}}, "prometheusAddress is read only with mode keda"),
+    ({"autoscaling": {"mode": "hpa", "forecast": {"enabled": True}}}, "forecast is read only with mode builtin"),
+    ({"autoscaling": {"forecast": {"enabled": False, "horizon": "90s"}}}, "horizon and lookback do nothing"),
     ({"autotune": {"thresholds": {"queueDepthLow": 150}}}, "queueDepthLow must be <= queueDepthHigh"),
     ({"autotune": {"maxNumSeqs": {"min": 64, "max": 8}}}, "min must be <= max"),
     ({"engine": {"preemptionMode": "swap", "swapSpace": 0}}, "swap needs engine.swapSpace > 0"),
@@ -83,6 +85,8 @@ SOUND_SPECS: list[dict[str, Any]] = [
     {"autoscaling": {"enabled": True, "mode": "keda", "prometheusAddress": "http://prometheus:9090", "window": "2m"}},
     {"autotune": {"enabled": True, "maxNumSeqs": {"min": 8, "max": 8}, "thresholds": {"queueDepthLow": 100}}},
     {"autoscaling": {"metric": "kvCacheUsage", "target": 0.8}},
+    {"autoscaling": {"enabled": True, "forecast": {"horizon": "90s", "lookback": "2m"}}},
+    {"autoscaling": {"enabled": True, "forecast": {"enabled": False}}},
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpilot.kernels.kv_quant import quantize
 from kvpilot.kernels.reference import kv_cache_empty
 from kvpilot.kernels.step_plan import StepPlan
 
@@ -88,6 +89,19 @@ def head_major_copy(cache: torch.Tensor) -> torch.Tensor:
 def head_major_batch(batch: Batch) -> Batch:
     q, k_cache, v_cache, *rest = batch
     return (q, head_major_copy(k_cache), head_major_copy(v_cache), *rest)  # type: ignore[return-value]
+
+
+def fp8_batch(batch: Batch, k_scale: float, v_scale: float) -> tuple[Batch, torch.Tensor]:
+    """`batch` with its caches quantised to FP8 (same layout) and their kv_scales."""
+    q, k_cache, v_cache, *rest = batch
+    scales = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=q.device)
+    caches = []
+    for cache, scale in ((k_cache, scales[0]), (v_cache, scales[1])):
+        fp8 = kv_cache_empty(*cache.shape, head_major=cache.stride(1) != cache[0, 0].numel(),
+                             dtype=torch.float8_e4m3fn, device=cache.device)
+        fp8.copy_(quantize(cache, scale))
+        caches.append(fp8)
+    return (q, *caches, *rest), scales  # type: ignore[return-value]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -3,9 +3,12 @@
 
 Attention, KV writes, norms, rotary and SwiGLU's activation go through `kvpilot.kernels.ops`, so
 the same model runs the Triton kernels on CUDA and the reference ops on CPU. q/k/v and gate/up
-projections are fused into one matrix each (one GEMM instead of three/two); `load_weights` splits
-HF's tensors into them. Under tensor parallelism (parallel.py) each rank builds only its slice of
-every layer and reads only that slice from the checkpoint.
+projections are fused into one matrix each (one GEMM instead of three/two); `load_weights` routes
+HF's tensors into them. The four projections are `quant.Linear` layers, whose method (the
+checkpoint's weight format: `executor/quant/`) owns their parameters, loading and product, and
+may fuse the quantization of their input into the norm or activation before them. Under tensor
+parallelism (parallel.py) each rank builds only its slice of every layer and reads only that
+slice from the checkpoint.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +25,8 @@ from torch import nn
 from kvpilot.kernels.ops import Ops, StepPlan
 from kvpilot.runtime.executor.models import architecture_of
 from kvpilot.runtime.executor.parallel import TPInfo
+from kvpilot.runtime.executor.quant.base import Linear, QuantizedInput, WeightSource
+from kvpilot.runtime.executor.quant.methods import MethodFor, linear_methods
 
 
 @dataclass(frozen=True)
@@ -110,35 +115,32 @@ class AttentionMetadata:
     max_query_len: int  # the most new tokens of any sequence (1: a decode-only step)
 
 
-class WeightSource(Protocol):
-    """A checkpoint tensor that can be read in part (safetensors slices read only what is asked)."""
-
-    shape: tuple[int, ...]
-
-    def read(self, dim: int | None = None, start: int = 0, length: int = 0) -> torch.Tensor: ...
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TPInfo) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TPInfo, method_for: MethodFor, prefix: str) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")[1]
         self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")[1]
         self.intermediate = tp.split(cfg.intermediate_size, "intermediate_size")[1]
-        q, kv = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
-        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)  # column-parallel
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)  # row-parallel
-        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)  # column-parallel
-        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)  # row-parallel
+        q, kv, hidden = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim, cfg.hidden_size
+        self.input_layernorm = nn.Parameter(torch.ones(hidden))
+        self.qkv_proj = Linear(hidden, [q, kv, kv], bias=cfg.attention_bias, parallel="column", tp=tp,
+                               method=method_for([f"{prefix}.self_attn.{n}_proj" for n in "qkv"]))
+        self.o_proj = Linear(q, [hidden], bias=False, parallel="row", tp=tp,
+                             method=method_for([f"{prefix}.self_attn.o_proj"]))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(hidden))
+        self.gate_up_proj = Linear(hidden, [self.intermediate] * 2, bias=False, parallel="column", tp=tp,
+                                   method=method_for([f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]))
+        self.down_proj = Linear(self.intermediate, [hidden], bias=False, parallel="row", tp=tp,
+                                method=method_for([f"{prefix}.mlp.down_proj"]))
         self.scale = cfg.head_dim ** -0.5
 
-    def attention(self, h: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], plan: StepPlan,
-                  ops: Ops) -> torch.Tensor:
-        num_tokens, head_dim = h.shape[0], self.cfg.head_dim
-        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+    def attention(self, h: torch.Tensor | QuantizedInput, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                  plan: StepPlan, ops: Ops) -> torch.Tensor:
+        """h: the normed hidden states (T, hidden), as qkv_proj takes them."""
         qkv = self.qkv_proj(h)  # (T, q + 2kv)
+        num_tokens, head_dim = qkv.shape[0], self.cfg.head_dim
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         # strided views into qkv, no copies: every op takes row strides (unit stride in head_dim)
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, head_dim)
         k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, head_dim)
@@ -146,22 +148,28 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         ops.rotary_and_write_kv(q, k, v, k_cache, v_cache, plan)
         out = ops.paged_attention(q, k_cache, v_cache, plan, self.scale)  # (T, H, D)
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, q_size)))
+        return self.tp.all_reduce(self.o_proj(self.o_proj.prepared_input(ops, out.reshape(num_tokens, q_size))))
 
-    def mlp(self, h: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))))
+    def mlp(self, h: torch.Tensor | QuantizedInput, ops: Ops) -> torch.Tensor:
+        """h: the normed hidden states (T, hidden), as gate_up_proj takes them."""
+        gate_up = self.gate_up_proj(h)  # (T, 2I)
+        return self.tp.all_reduce(self.down_proj(self.down_proj.activated_input(ops, gate_up)))
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TPInfo | None = None) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TPInfo | None = None, method_for: MethodFor | None = None) -> None:
         super().__init__()
+        method_for = method_for or linear_methods(None, {})
         self.cfg = cfg
         self.tp = tp = tp or TPInfo()
         # vocabulary-parallel: rank r holds rows [r*V/N, (r+1)*V/N) of the padded vocabulary
         self.vocab_per_rank = -(-cfg.vocab_size // tp.size)
         self.vocab_start = tp.rank * self.vocab_per_rank
-        self.embed_tokens = nn.Embedding(self.vocab_per_rank, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        # its weight given, not drawn: an Embedding draws it with `normal_`, which on the meta device
+        # the loader builds on imports torch._dynamo (seconds of start-up for a value never used)
+        self.embed_tokens = nn.Embedding(self.vocab_per_rank, cfg.hidden_size,
+                                         _weight=torch.empty(self.vocab_per_rank, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, method_for, f"model.layers.{i}") for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.vocab_per_rank, bias=False)
 
@@ -180,13 +188,13 @@ class LlamaForCausalLM(nn.Module):
         positions and the step's attention metadata (`Ops.plan`)."""
         eps = self.cfg.rms_norm_eps
         residual = self.embed(input_ids)  # (T, hidden)
-        h = ops.rms_norm(residual, self.layers[0].input_layernorm, eps)
+        h: torch.Tensor | None = None  # each block's output, added into the residual by the next norm
         for i, layer in enumerate(cast(list[DecoderLayer], self.layers)):
-            if i > 0:
-                ops.fused_add_rms_norm(h, residual, layer.input_layernorm, eps)
-            h = layer.attention(h, kv_caches[i], plan, ops)
-            ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm, eps)
-            h = layer.mlp(h, ops)
+            x = layer.qkv_proj.normed_input(ops, h, residual, layer.input_layernorm, eps)
+            h = layer.attention(x, kv_caches[i], plan, ops)
+            x = layer.gate_up_proj.normed_input(ops, h, residual, layer.post_attention_layernorm, eps)
+            h = layer.mlp(x, ops)
+        assert h is not None
         ops.fused_add_rms_norm(h, residual, self.norm, eps)
         return h
 
@@ -204,17 +212,16 @@ class LlamaForCausalLM(nn.Module):
         logits = self.tp.all_gather_last_dim(local)
         return logits[:, :self.cfg.vocab_size]
 
-    # HF module -> (our fused parameter, shard index within it)
-    _FUSED = {
+    # HF module -> (our linear layer, shard index within it)
+    _LINEARS = {
         "self_attn.q_proj": ("qkv_proj", 0), "self_attn.k_proj": ("qkv_proj", 1),
-        "self_attn.v_proj": ("qkv_proj", 2), "mlp.gate_proj": ("gate_up_proj", 0),
-        "mlp.up_proj": ("gate_up_proj", 1),
+        "self_attn.v_proj": ("qkv_proj", 2), "self_attn.o_proj": ("o_proj", 0),
+        "mlp.gate_proj": ("gate_up_proj", 0), "mlp.up_proj": ("gate_up_proj", 1), "mlp.down_proj": ("down_proj", 0),
     }
-    _ROW_PARALLEL = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj"}
 
     def _placement(self, name: str) -> Placement:
         """Where the HF tensor `name` (without 'model.') goes, and which part of it this rank reads."""
-        cfg, tp = self.cfg, self.tp
+        cfg = self.cfg
         if name in ("embed_tokens.weight", "lm_head.weight"):
             length = max(0, min(self.vocab_per_rank, cfg.vocab_size - self.vocab_start))
             return Placement(name, 0, 0, self.vocab_start, length, cfg.vocab_size)
@@ -226,63 +233,64 @@ class LlamaForCausalLM(nn.Module):
         layer, rest = f"layers.{parts[1]}", parts[2]
         if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             return Placement(f"{layer}.{rest.removesuffix('.weight')}")
-        module, kind = rest.rsplit(".", 1)
-        if module in self._ROW_PARALLEL:
-            ours = self._ROW_PARALLEL[module]
-            full = cfg.num_heads * cfg.head_dim if ours == "o_proj" else cfg.intermediate_size
-            start, length = tp.split(full, module)
-            return Placement(f"{layer}.{ours}.{kind}", 0, 1, start, length, full)
-        if module in self._FUSED:
-            fused, shard = self._FUSED[module]
-            if fused == "qkv_proj":
-                fulls = [n * cfg.head_dim for n in (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)]
-            else:
-                fulls = [cfg.intermediate_size] * 2
-            locals_ = [tp.split(f, module)[1] for f in fulls]
-            return Placement(f"{layer}.{fused}.{kind}", sum(locals_[:shard]), 0,
-                             tp.rank * locals_[shard], locals_[shard], fulls[shard])
+        module, kind = rest.rsplit(".", 1) if "." in rest else (rest, "")
+        if module in self._LINEARS:
+            ours, shard = self._LINEARS[module]
+            return Placement(f"{layer}.{ours}.{kind}", linear=f"{layer}.{ours}", kind=kind, shard=shard)
         return Placement(name)
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
-        """Copy this rank's part of each HF-named tensor into the model; every parameter row
-        must be filled exactly once."""
+        """Copy this rank's part of each HF-named tensor into the model (the linear layers' through
+        their method); every parameter element must be filled exactly once."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         filled: dict[str, int] = {}
         for hf_name, source in weights:
             name = hf_name.removeprefix("model.")
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
                 continue
             where = self._placement(name)
+            linear = modules.get(where.linear) if where.linear else None
+            if isinstance(linear, Linear):
+                for kind, count in linear.method.load(linear, where.kind, source, hf_name, where.shard).items():
+                    target = f"{where.linear}.{kind}"
+                    filled[target] = filled.get(target, 0) + count
+                continue
             if where.target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for this {self.cfg.num_layers}-layer model")
             param = params[where.target]
-            if where.dim is None:
-                dest, expected = param.data, tuple(param.shape)
-            elif where.dim == 0:
-                dest = param.data.narrow(0, where.row, where.length)
-                expected = (where.full, *param.shape[1:])
-            else:
-                dest = param.data
-                expected = (param.shape[0], where.full)
+            dest = param.data if where.dim is None else param.data.narrow(0, where.row, where.length)
+            expected = tuple(param.shape) if where.dim is None else (where.full, *param.shape[1:])
             if tuple(source.shape) != expected:
                 raise ValueError(f"weight {hf_name!r} has shape {tuple(source.shape)}, the model expects {expected}")
             dest.copy_(source.read() if where.dim is None else source.read(where.dim, where.start, where.length))
-            filled[where.target] = filled.get(where.target, 0) + dest.shape[0]
-        expected_rows = {n: p.shape[0] for n, p in params.items()}
+            filled[where.target] = filled.get(where.target, 0) + dest.numel()
+        expected_fill = {n: p.numel() for n, p in params.items()}
         real_vocab = max(0, min(self.vocab_per_rank, self.cfg.vocab_size - self.vocab_start))
         for vocab_name in ("embed_tokens.weight", "lm_head.weight"):
             if vocab_name in params:  # the last shard's padding rows hold no token
                 params[vocab_name].data[real_vocab:].zero_()
-                expected_rows[vocab_name] = real_vocab
-        missing = [n for n in params if filled.get(n, 0) != expected_rows[n]]
+                expected_fill[vocab_name] = real_vocab * self.cfg.hidden_size
+        missing = [n for n in params if filled.get(n, 0) != expected_fill[n]]
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {', '.join(sorted(missing)[:8])}")
+        self.process_weights_after_loading()
+
+    def linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
+
+    def process_weights_after_loading(self) -> None:
+        """Once every weight is in (loaded or random): each linear method's last step."""
+        for linear in self.linears():
+            linear.method.process_after_loading(linear)
 
 
 @dataclass(frozen=True)
 class Placement:
     """A checkpoint tensor's destination: our parameter `target`, starting at `row`; when `dim`
-    is set, this rank reads `length` entries from `start` along that dim of a tensor `full` long."""
+    is set, this rank reads `length` entries from `start` along that dim of a tensor `full` long.
+    A linear layer's tensors name the layer (`linear`), their `kind` and fused `shard` instead:
+    its method places them."""
 
     target: str
     row: int = 0
@@ -290,3 +298,6 @@ class Placement:
     start: int = 0
     length: int = 0
     full: int = 0
+    linear: str = ""
+    kind: str = ""
+    shard: int = 0

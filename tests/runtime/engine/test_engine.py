@@ -125,7 +125,8 @@ def test_block_size_change_mid_generation_keeps_outputs(tiny_models, async_sched
         if step == 5:
             applied = engine.update_config({"block_size": 8, "max_num_seqs": 2, "scheduler_policy": "fcfs"})
             assert applied == {"block_size": {"old": 16, "new": 8}, "max_num_seqs": {"old": 256, "new": 2}}
-            assert engine.block_manager.block_size == 8
+            assert engine.block_manager.block_size == engine.runner.block_size == engine.config.cache.block_size == 8
+            assert engine.config.scheduler.max_num_seqs == engine.scheduler.config.max_num_seqs == 2
             report = engine.last_relayout  # every running sequence kept its KV: nothing recomputed
             assert report is not None and report.preempted == [] and report.num_running_kept == 3
             parts = (report.plan_ms, report.wait_ms, report.copy_ms, report.swap_ms, report.rebuild_ms)
@@ -142,12 +143,16 @@ def test_block_size_change_mid_generation_keeps_outputs(tiny_models, async_sched
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_start_up_switches_through_every_block_size_and_leaves_the_engine_as_configured(tiny_models) -> None:
-    # the warm-up re-lays blocks no sequence holds at every allowed size; a tiny cache (2 blocks of
-    # 64) still takes every size, and the engine starts at the configured one with everything free
+def test_the_switch_pass_waits_until_after_start_and_leaves_the_engine_as_configured(tiny_models) -> None:
+    # nothing but the start size is touched before the engine is ready; the pass done afterwards
+    # (warm_up.py) re-lays blocks no sequence holds at every allowed size; a tiny cache (2 blocks
+    # of 64) still takes every size, and the engine is left at the configured one, everything free
     folder, hf = tiny_models["mistral"]
     llm = LLM(folder, max_model_len=128, block_size=32, num_gpu_blocks_override=4, swap_space=0.001)
     engine = llm.engine
+    assert sorted(engine.runner._views_by_size) == [32] and engine.warm_up.pending
+    engine.warm_up.finish()
+    assert not engine.warm_up.pending
     assert sorted(engine.runner._views_by_size) == engine.runner.allowed_block_sizes == [8, 16, 32, 64]
     assert engine.runner.block_size == engine.block_manager.block_size == 32 and engine.last_relayout is None
     assert engine.block_manager.num_blocks == 4 and engine.block_manager.num_free_blocks == 4

@@ -23,10 +23,10 @@ from hypothesis.stateful import (
 )
 
 from kvpilot.runtime import LLM, SamplingParams
-from kvpilot.runtime.config import BLOCK_SIZES
 from kvpilot.runtime.engine.engine import LLMEngine
 from kvpilot.runtime.sched.scheduler import SchedulerOutput
 from kvpilot.runtime.sched.sequence import Sequence, SequenceStatus
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 MAX_LEN, MAX_TOKENS = 128, 20
 BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # K and V x 3 layers x 2 KV heads x head dim 16 x fp32

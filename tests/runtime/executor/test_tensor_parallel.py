@@ -12,8 +12,9 @@ import torch
 
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.config import ModelConfig
-from kvpilot.runtime.executor.loader import load_model, safetensors_weights
+from kvpilot.runtime.executor.loader import load_model
 from kvpilot.runtime.executor.parallel import TPInfo
+from kvpilot.runtime.executor.weight_reader import checkpoint_files, safetensors_weights
 
 
 def prompts(seed: int) -> list[dict[str, list[int]]]:
@@ -69,7 +70,7 @@ def test_each_rank_reads_only_its_slices(tiny_models) -> None:
     shards = []
     for rank in range(2):
         model, _ = load_model(config, "cpu", TPInfo(rank, 2))
-        sources = list(safetensors_weights(Path(folder)))
+        sources = list(safetensors_weights(checkpoint_files(Path(folder))))
         model.load_weights(sources)  # again, counting the bytes this rank reads
         read = sum(s.bytes_read for _, s in sources)
         norms = sum(p.numel() * p.element_size() for n, p in hf.state_dict().items() if "norm" in n)

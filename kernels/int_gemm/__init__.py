@@ -1,0 +1,40 @@
+"""Matrix products with integer weights (AWQ and GPTQ checkpoints, 4- or 8-bit), de-quantised
+inside the kernels' inner loops so that only the packed bytes cross the memory bus.
+
+The layout every kernel here reads (`layout.IntWeight`; the loaders convert AWQ's and GPTQ's
+on-disk layouts into it once):
+  qweight  (N, K * bits / 32) int32   row n holds output feature n's K integers, packed along K:
+           q[n, k] is bits [bits * (k % pack), bits * (k % pack + 1)) of qweight[n, k // pack],
+           pack = 32 // bits (nn.Linear's (out, in) orientation, so a tile of a few rows and many
+           packed columns is one contiguous run per row)
+  scales   (K // group_size, N)         float, one per group of group_size inputs and output
+  zeros    (K // group_size, N)         the same dtype, integer-valued zero points
+  perm     (K,) int32 or None           column k of the packed matrix belongs to input perm[k]
+           (GPTQ's act-order: rows are stored sorted by group, the activations are gathered)
+  W[n, k] = (q[n, k] - zeros[k // group_size, n]) * scales[k // group_size, n];  y = x[:, perm] @ W^T
+
+Modules, one concept each:
+* `layout.py`: `IntWeight`, packing and unpacking, and the plain-torch twin (de-quantise, then
+  `F.linear`) that the kernels are tested against and the CPU path runs;
+* `unpack.py`: the device functions both kernels share (expand packed words, de-quantise a tile);
+* `decode.py`: the kernel for decode-sized batches (M <= 64), many programs over N, optional split-K;
+* `prefill.py`: the tiled kernel for larger M (compute-bound), a bf16/fp16 tile per inner step;
+* `launcher.py`: argument checks, tile choice per shape and which kernel serves a batch.
+"""
+
+from kvpilot.kernels.int_gemm.launcher import (
+           DECODE_MAX_M,
+           int_gemm,
+           int_gemm_decode,
+           int_gemm_prefill,
+)
+from kvpilot.kernels.int_gemm.layout import (
+           IntWeight,
+           dequantize,
+           int_linear_reference,
+           pack_rows,
+           unpack_rows,
+)
+
+__all__ = ["DECODE_MAX_M", "IntWeight", "dequantize", "int_gemm", "int_gemm_decode", "int_gemm_prefill",
+           "int_linear_reference", "pack_rows", "unpack_rows"]

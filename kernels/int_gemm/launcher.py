@@ -1,0 +1,95 @@
+"""Host side of the integer-weight products: argument checks, tiles per shape, and which kernel
+serves a batch: `decode.py` up to DECODE_MAX_M rows (bound by the weights' bytes), `prefill.py`
+beyond (bound by the tensor cores)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpilot.kernels.checks import FLOAT_DTYPES, check_tensor
+from kvpilot.kernels.host import cdiv, next_power_of_2
+from kvpilot.kernels.int_gemm import decode, prefill
+from kvpilot.kernels.int_gemm.decode import DecodeConfig
+from kvpilot.kernels.int_gemm.layout import IntWeight
+from kvpilot.kernels.int_gemm.prefill import PrefillConfig
+
+DECODE_MAX_M = 64
+BLOCK_NS = (64, 32, 16)  # decode column tiles, widest first
+MAX_SPLIT = 8
+
+
+def check(x: torch.Tensor, w: IntWeight) -> None:
+    """The activations against the weight (which checked itself when made)."""
+    check_tensor("x", x, 2, FLOAT_DTYPES, w.qweight.device)
+    if x.shape[1] != w.in_features:
+        raise ValueError(f"x has {x.shape[1]} features, the weight takes {w.in_features}")
+
+
+def block_k_for(group_size: int, wanted: int) -> int:
+    """The largest power of two <= wanted that divides group_size: a tile then never straddles two
+    groups, so one row of scales and zeros serves it."""
+    block = 1 << (wanted.bit_length() - 1)
+    while block > 1 and group_size % block:
+        block //= 2
+    return block
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def choose_decode(m: int, w: IntWeight, num_sms: int) -> DecodeConfig:
+    """The widest column tile that still gives two programs per SM (narrower tiles read shorter
+    runs per row); K is split only where even the narrowest leaves SMs idle, since the partials'
+    sum costs two more launches."""
+    block_k = block_k_for(w.group_size, DecodeConfig.block_k)
+    n = w.out_features
+    block_n = next((b for b in BLOCK_NS if cdiv(n, b) >= 2 * num_sms), BLOCK_NS[-1])
+    split = 1
+    while cdiv(n, block_n) * split < num_sms and w.in_features % (2 * split * block_k) == 0 and split < MAX_SPLIT:
+        split *= 2
+    return DecodeConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+def choose_prefill(m: int, w: IntWeight) -> PrefillConfig:
+    if m >= 128:
+        return PrefillConfig()
+    return PrefillConfig(block_m=64, num_warps=4)
+
+
+def int_gemm_decode(x: torch.Tensor, w: IntWeight, config: DecodeConfig | None = None) -> torch.Tensor:
+    """x (M, K) @ W^T -> (M, N) in x's dtype, by the decode kernel (any M; meant for M <= 64)."""
+    check(x, w)
+    m, n = x.shape[0], w.out_features
+    config = config or choose_decode(m, w, _num_sms(x.device))
+    block_k = block_k_for(w.group_size, config.block_k)
+    if w.in_features % (config.split_k * block_k):
+        raise ValueError(f"split_k {config.split_k} x block_k {block_k} must divide in_features {w.in_features}")
+    block_m = max(16, next_power_of_2(min(m, DECODE_MAX_M)))
+    if m == 0:
+        return torch.empty((0, n), dtype=x.dtype, device=x.device)
+    if config.split_k == 1:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        decode.launch(x, w, out, config, block_m, block_k)
+        return out
+    partials = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
+    decode.launch(x, w, partials, config, block_m, block_k)
+    return partials.sum(0).to(x.dtype)
+
+
+def int_gemm_prefill(x: torch.Tensor, w: IntWeight, config: PrefillConfig | None = None) -> torch.Tensor:
+    """x (M, K) @ W^T -> (M, N) in x's dtype, by the tiled kernel."""
+    check(x, w)
+    m, n = x.shape[0], w.out_features
+    config = config or choose_prefill(m, w)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        prefill.launch(x, w, out, config, block_k_for(w.group_size, config.block_k))
+    return out
+
+
+def int_gemm(x: torch.Tensor, w: IntWeight) -> torch.Tensor:
+    """x (M, K) @ W^T -> (M, N) in x's dtype, by the kernel that suits M."""
+    return int_gemm_decode(x, w) if x.shape[0] <= DECODE_MAX_M else int_gemm_prefill(x, w)
+
+

@@ -1,0 +1,152 @@
+"""The integer-weight kernels equal de-quantise-then-matmul (`int_linear_reference`): 4- and 8-bit,
+group-wise and per-channel, with act-order's permuted inputs, split-K, rows and columns past a
+tile's edge. CPU runs them under Triton's interpreter at small sizes (float32 and float16: its
+bfloat16 is unreliable); the GPU at real sizes in bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpilot.kernels.int_gemm import (
+    IntWeight,
+    dequantize,
+    int_gemm,
+    int_gemm_decode,
+    int_gemm_prefill,
+    int_linear_reference,
+    pack_rows,
+    unpack_rows,
+)
+from kvpilot.kernels.int_gemm.decode import DecodeConfig
+from kvpilot.kernels.int_gemm.launcher import block_k_for, choose_decode
+from kvpilot.kernels.int_gemm.prefill import PrefillConfig
+
+SMALL_PREFILL = PrefillConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
+
+
+def random_weight(n: int, k: int, bits: int, group_size: int, dtype: torch.dtype, device: torch.device,
+                  act_order: bool = False) -> IntWeight:
+    groups = k // group_size
+    q = torch.randint(0, 2 ** bits, (n, k), dtype=torch.int32)
+    scales = (torch.rand(groups, n) * 0.02 + 0.001).to(dtype)
+    zeros = torch.randint(0, 2 ** bits, (groups, n)).to(dtype)
+    perm = torch.randperm(k).to(torch.int32).to(device) if act_order else None
+    return IntWeight(pack_rows(q, bits).to(device), scales.to(device), zeros.to(device), bits, group_size, perm)
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 1e-2}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_rows_round_trips_every_bit(bits: int) -> None:
+    q = torch.randint(0, 2 ** bits, (5, 64), dtype=torch.int32)
+    q[0] = 2 ** bits - 1  # every bit set, the word's sign bit included
+    packed = pack_rows(q, bits)
+    assert packed.dtype == torch.int32 and packed.shape == (5, 64 * bits // 32)
+    assert torch.equal(unpack_rows(packed, bits), q)
+
+
+def test_pack_rows_puts_the_first_input_in_the_lowest_bits() -> None:
+    q = torch.arange(8, dtype=torch.int32)[None, :]  # inputs 0..7 hold the values 0..7
+    assert pack_rows(q, 4).item() == 0x76543210
+
+
+def test_dequantize_applies_zeros_scales_and_the_permutation() -> None:
+    q = torch.zeros(1, 32, dtype=torch.int32)
+    q[0, :4] = torch.tensor([3, 0, 15, 7])
+    w = IntWeight(pack_rows(q, 4), torch.tensor([[0.5], [2.0]]), torch.tensor([[1.0], [0.0]]), 4, 16,
+                  torch.arange(31, -1, -1, dtype=torch.int32))
+    # packed column j is input 31 - j: (q - 1) * 0.5 in the first group, q * 2 in the second
+    expected = [0.0] * 16 + [-0.5] * 12 + [3.0, 7.0, -0.5, 1.0]
+    assert dequantize(w, torch.float32)[0].tolist() == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bits,group_size,act_order", [(4, 64, False), (4, 256, True), (8, 32, False)])
+@pytest.mark.parametrize("m", [1, 5, 17])
+def test_decode_kernel_matches_reference(m: int, bits: int, group_size: int, act_order: bool, dtype: torch.dtype,
+                                         device: torch.device) -> None:
+    w = random_weight(48, 256, bits, group_size, dtype, device, act_order)  # 48: a partial column tile
+    x = torch.randn(m, 256, dtype=dtype, device=device)
+    out = int_gemm_decode(x, w, DecodeConfig(block_n=32, block_k=64))
+    assert out.shape == (m, 48) and out.dtype == dtype
+    torch.testing.assert_close(out, int_linear_reference(x, w), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_decode_split_k_sums_its_slices(split_k: int, device: torch.device) -> None:
+    w = random_weight(64, 512, 4, 128, torch.float32, device)
+    x = torch.randn(3, 512, device=device)
+    out = int_gemm_decode(x, w, DecodeConfig(block_n=32, block_k=64, split_k=split_k))
+    torch.testing.assert_close(out, int_linear_reference(x, w), **tolerance(torch.float32))
+
+
+def test_decode_reads_row_strided_activations(device: torch.device) -> None:
+    w = random_weight(32, 128, 4, 128, torch.float32, device)
+    wide = torch.randn(4, 256, device=device)
+    wide[:, 128:] = float("nan")  # never read
+    out = int_gemm_decode(wide[:, :128], w, DecodeConfig(block_n=32, block_k=64))
+    torch.testing.assert_close(out, int_linear_reference(wide[:, :128].contiguous(), w), **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bits,act_order", [(4, False), (4, True), (8, False)])
+def test_prefill_kernel_matches_reference(bits: int, act_order: bool, dtype: torch.dtype, device: torch.device) -> None:
+    w = random_weight(80, 128, bits, 64, dtype, device, act_order)
+    x = torch.randn(70, 128, dtype=dtype, device=device)  # 70 rows, 80 columns: partial tiles both ways
+    out = int_gemm_prefill(x, w, SMALL_PREFILL)
+    torch.testing.assert_close(out, int_linear_reference(x, w), **tolerance(dtype))
+
+
+def test_per_channel_weights_take_a_tile_that_divides_the_inputs(device: torch.device) -> None:
+    w = random_weight(32, 192, 4, 192, torch.float32, device)  # one group of 192 inputs: 64-wide tiles
+    x = torch.randn(2, 192, device=device)
+    assert block_k_for(192, 128) == 64
+    torch.testing.assert_close(int_gemm(x, w), int_linear_reference(x, w), **tolerance(torch.float32))
+
+
+def test_decode_tiles_narrow_before_splitting_k() -> None:
+    cpu = torch.device("cpu")
+    wide = choose_decode(1, random_weight(28672, 256, 4, 128, torch.float32, cpu), num_sms=132)
+    assert (wide.block_n, wide.split_k) == (64, 1)
+    square = choose_decode(1, random_weight(4096, 256, 4, 128, torch.float32, cpu), num_sms=132)
+    assert (square.block_n, square.split_k) == (16, 1)  # 256 programs: every SM busy without a split
+    narrow = choose_decode(1, random_weight(512, 4096, 4, 128, torch.float32, cpu), num_sms=132)
+    assert (narrow.block_n, narrow.split_k) == (16, 8)
+
+
+@pytest.mark.parametrize("case,message", [("features", "x has 100 features"), ("dtype", "x dtype")])
+def test_rejects_activations_that_do_not_fit(case: str, message: str) -> None:
+    w = random_weight(32, 128, 4, 64, torch.float32, torch.device("cpu"))
+    x = torch.randn(2, 100) if case == "features" else torch.randn(2, 128).to(torch.int32)
+    with pytest.raises(ValueError, match=message):
+        int_gemm(x, w)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("group", "group_size 8 must be a multiple of 16"), ("scales", "scales must have shape"),
+    ("bits", "bits must be one of"), ("perm", "perm must be"),
+])
+def test_a_weight_that_breaks_the_layout_is_refused_when_made(case: str, message: str) -> None:
+    w = random_weight(32, 128, 4, 64, torch.float32, torch.device("cpu"))
+    args = {"group": (w.qweight, torch.ones(16, 32), torch.zeros(16, 32), 4, 8),
+            "scales": (w.qweight, w.scales[:1], w.zeros[:1], 4, 64),
+            "bits": (w.qweight, w.scales, w.zeros, 3, 64),
+            "perm": (w.qweight, w.scales, w.zeros, 4, 64, torch.arange(128))}[case]  # int64, not int32
+    with pytest.raises(ValueError, match=message):
+        IntWeight(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096)])
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 2048])
+def test_gpu_bf16_real_sizes(m: int, n: int, k: int) -> None:
+    w = random_weight(n, k, 4, 128, torch.bfloat16, torch.device("cuda"), act_order=m == 16)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    expected = int_linear_reference(x.float(), IntWeight(w.qweight, w.scales.float(), w.zeros.float(), 4, 128, w.perm))
+    out = int_gemm(x, w).float()
+    # both sides hold the same bf16 weights; what differs is accumulation order and the output's rounding
+    assert (out - expected).abs().max() <= 0.02 * expected.abs().max()
