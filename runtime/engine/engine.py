@@ -180,8 +180,8 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._in_flight: _Launched | None = None  # async scheduling: the step the device runs
         self._drained = _Resolved()  # a step postprocessed between steps: out with the next `step()`
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.runner.num_blocks,
-                    self.runner.block_size, self.runner.num_blocks * self.runner.bytes_per_block / (1 << 30))
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %.2f GiB)", layout.num_blocks,
+                    layout.block_size, layout.capacity_tokens, layout.dtype, layout.num_blocks * layout.bytes_per_block / (1 << 30))
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -93,7 +93,8 @@ class ServerState:
         self.reloading = False
         self.started = False
         self.device = engine_config.device.device
-        self.metrics = ServerMetrics(engine_config.model.served_model_name, self.known_tenants)
+        self.metrics = ServerMetrics(engine_config.model.served_model_name, self.known_tenants,
+                                     cache_dtype=engine_config.cache.kv_cache_dtype)
         with self.startup.phase("tokenizer"):
             tokenizer = load_tokenizer(engine_config)
         if engine is None:
@@ -117,7 +118,8 @@ class ServerState:
         self.serving.max_num_seqs = engine_config.scheduler.max_num_seqs
         self.serving.tokenizer = tokenizer
         if self.metrics.model_name != self.model_name:
-            self.metrics = ServerMetrics(self.model_name, self.known_tenants)
+            self.metrics = ServerMetrics(self.model_name, self.known_tenants,
+                                         cache_dtype=engine_config.cache.kv_cache_dtype)
             self.engine.on_step = self.metrics.record
 
     @property

@@ -80,7 +80,7 @@ def test_metrics_has_both_families_and_moves_as_requests_run(server: RunningServ
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
                  "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count"]:
         assert name in before, name
-    assert any(k.startswith("vllm:cache_config_info{block_size=16") for k in before)
+    assert any(k.startswith("vllm:cache_config_info{block_size=16,cache_dtype=auto") for k in before)
     assert before["kvpilot_block_size"] == 16 and before["kvpilot_preemption_mode{mode=recompute}"] == 1
 
     reply = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5)
