@@ -20,6 +20,7 @@ import torch
 from kvpilot.kernels import ops as kernel_ops
 from kvpilot.kernels.reference import ReferenceOps
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.errors import RowsFailedError
 from kvpilot.runtime.executor import kv_cache, kv_scales
 from kvpilot.runtime.executor.batch import fill_pending, to_device, to_tensors
 from kvpilot.runtime.executor.cpu_linear import pack_linears
@@ -434,12 +435,32 @@ class ModelRunner:
         if self.tp.size > 1:  # the other ranks need only the model's inputs
             self.tp.broadcast(("step", dataclasses.replace(inputs, sampling_rows=[], finished_seq_ids=[])))
         logits, prompt = self._run(inputs)
-        sampled = None
-        if logits is not None:
-            rows = inputs.sampling_rows
-            sampled = sample_on_device(logits, rows, [self._generator(row) for row in rows])
+        sampled = self._sample(logits, inputs.sampling_rows) if logits is not None else None
         self._sampled = sampled.token_ids if sampled is not None else None
         return sampled, prompt
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+        """Sample every row; where that fails on the host (a row's values: a seed or top-k no
+        generator or tensor holds), raise `RowsFailedError` naming the failing rows, found by
+        trying each alone with a throwaway generator, so no other row's random stream moves.
+        Device errors are not the request's: they propagate."""
+        try:
+            return sample_on_device(logits, rows, [self._generator(row) for row in rows])
+        except Exception as error:
+            if _is_device_error(error):
+                raise
+            failed: dict[int, str] = {}
+            for i, row in enumerate(rows):
+                try:
+                    probe = None if row.seed is None else torch.Generator(device=self.device).manual_seed(row.seed)
+                    sample_on_device(logits[i:i + 1], [row], [probe]).result()
+                except Exception as row_error:
+                    if _is_device_error(row_error):
+                        raise
+                    failed[row.seq_id] = f"{type(row_error).__name__}: {row_error}"
+            if not failed:
+                raise
+            raise RowsFailedError(failed) from error
 
     def _generator(self, row: SamplingRow) -> torch.Generator | None:
         """A seeded sequence's generator, made on its first sample: its draws then depend only on
@@ -470,3 +491,8 @@ class ModelRunner:
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast(("stop", None))
 
+
+def _is_device_error(error: BaseException) -> bool:
+    """An error of the device itself (out of memory, a failed kernel), not of one row's values."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(error, torch.cuda.OutOfMemoryError | accelerator_error) or "CUDA" in str(error)
