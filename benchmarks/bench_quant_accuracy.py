@@ -94,6 +94,7 @@ def evaluate(folder: Path, engine_args: dict[str, str | bool] | None = None) -> 
     chats = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
                      SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     return {"perplexity": math.exp(-sum(logprobs) / len(logprobs)), "tokens": len(logprobs), "top1": top1,
+            "logprobs": logprobs,
             "greedy": [c.outputs[0].token_ids for c in chats], "seconds": time.perf_counter() - started}
 
 
@@ -102,10 +103,16 @@ def agreement(result: dict[str, Any], reference: dict[str, Any]) -> dict[str, fl
     pairs = list(zip(result["greedy"], reference["greedy"], strict=True))
     common = [next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
               for ours, theirs in pairs]
+    # the perplexity ratio's uncertainty: the standard error of the mean per-token log-likelihood
+    # difference (paired, token by token), as a relative change of the ratio
+    deltas = [b - a for a, b in zip(result["logprobs"], reference["logprobs"], strict=True)]
+    mean = sum(deltas) / len(deltas)
+    spread = math.sqrt(sum((d - mean) ** 2 for d in deltas) / (len(deltas) - 1)) if len(deltas) > 1 else 0.0
     return {"top1_agreement": same_top1 / len(reference["top1"]),
             "greedy_identical": sum(ours == theirs for ours, theirs in pairs) / len(pairs),
             "greedy_prefix_share": sum(common) / sum(len(theirs) for _, theirs in pairs),
-            "perplexity_vs_bf16": result["perplexity"] / reference["perplexity"] - 1}
+            "perplexity_vs_bf16": result["perplexity"] / reference["perplexity"] - 1,
+            "perplexity_vs_bf16_se": spread / math.sqrt(len(deltas))}
 
 
 def served_variants() -> list[str]:
@@ -159,9 +166,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     if args.out:
         args.out.write_text(json.dumps({"text": TEXT.name, "rows": rows}, indent=1))
-    print(f"{'variant':11s} {'perplexity':>10s} {'vs bf16':>8s} {'top-1':>6s} {'greedy same':>11s} {'prefix':>6s}")
+    print(f"{'variant':11s} {'perplexity':>10s} {'vs bf16':>8s} {'+-se':>6s} {'top-1':>6s} {'greedy same':>11s} {'prefix':>6s}")
     for r in rows:
-        print(f"{r['variant']:11s} {r['perplexity']:10.3f} {r['perplexity_vs_bf16']:+8.2%} {r['top1_agreement']:6.1%} "
+        print(f"{r['variant']:11s} {r['perplexity']:10.3f} {r['perplexity_vs_bf16']:+8.2%} {r['perplexity_vs_bf16_se']:6.2%} {r['top1_agreement']:6.1%} "
               f"{r['greedy_identical']:11.1%} {r['greedy_prefix_share']:6.1%}")
 
 
