@@ -1,9 +1,18 @@
 """`kvpilot bench autotune`: is live re-tuning worth it? A phased workload (bench/autotune_workload.py)
 is sent, request for request and second for second, to a fresh `kvpilot serve` for every static
-configuration of a grid (each `--block-sizes` x `--preemption-modes`), then to a fresh one run by the
-autotuner (bench/autotune_loop.py: the operator's scraper, policy and admin client, started in the
-policy's calm configuration). Every server gets the same KV budget in tokens (`--kv-tokens`, as
+configuration of a grid (each `--block-sizes` x `--preemption-modes` x `--max-num-seqs` x
+`--max-num-batched-tokens`, or the `--configs` given), then to fresh ones run by the autotuner
+(`--repeats` times; bench/autotune_loop.py: the operator's own tuning step, canary included,
+started in the policy's calm configuration with the grid's largest batch limits, which it may move
+within the grid's range). Every server gets the same KV budget in tokens (`--kv-tokens`, as
 `--num-gpu-blocks-override` of budget / block size), small enough that memory pressure is real.
+The objective is the operator's: goodput under `--slo`, which is also the tuner's
+`spec.autotune.slo`.
+
+`--screen SECONDS` screens the grid instead: every static configuration on each phase alone, in
+steady state (the phase's arrivals for SECONDS, the phases one after another on one server per
+configuration with the queue drained between them), to find each phase's best configurations
+before the full runs are spent on the ones that matter.
 
 Per phase and overall: goodput (requests meeting `--slo` per second of the workload), SLO
 attainment, P99 TTFT, ITL and end-to-end latency, failed requests, preemptions and swap traffic
@@ -19,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import math
 import secrets
 import shlex
@@ -29,19 +39,50 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpilot.runtime.tunables import PREEMPTION_MODES
+
 from . import flags
 
 # flags this benchmark sets on every server itself
 _OWN_FLAGS = ("--block-size", "--preemption-mode", "--num-gpu-blocks-override", "--port", "--host", "--admin-token")
-DEFAULT_CONFIG = (16, "recompute")  # the unswitched baseline the article measures against
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """A configuration of the tuned knobs; a batch limit left None is the server's own (its flags')."""
+
+    block_size: int
+    preemption_mode: str
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+
+    @property
+    def name(self) -> str:
+        extra = [f"{k}{v}" for k, v in (("s", self.max_num_seqs), ("t", self.max_num_batched_tokens)) if v is not None]
+        return " ".join([f"b{self.block_size}", self.preemption_mode, *extra])
+
+    def flags(self) -> list[str]:
+        out = ["--block-size", str(self.block_size), "--preemption-mode", self.preemption_mode]
+        if self.max_num_seqs is not None:
+            out += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.max_num_batched_tokens is not None:
+            out += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        return out
 
 
 @dataclass(frozen=True)
 class RunPlan:
     name: str
-    block_size: int
-    preemption_mode: str
+    knobs: Knobs
     tuned: bool
+
+    @property
+    def block_size(self) -> int:
+        return self.knobs.block_size
+
+    @property
+    def preemption_mode(self) -> str:
+        return self.knobs.preemption_mode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,10 +99,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV budget of every server in tokens (default: 65536; 1024 with --quick)")
     g.add_argument("--block-sizes", type=int, nargs="+", default=None, choices=(8, 16, 32, 64),
                    help="the grid's block sizes, also the tuner's allowed ones (default: 8 16 32; 8 16 with --quick)")
-    g.add_argument("--preemption-modes", nargs="+", default=["recompute", "swap"], choices=("recompute", "swap"))
-    g.add_argument("--configs", nargs="+", default=None, metavar="BLOCK/MODE",
-                   help="the static runs, e.g. 16/recompute 16/swap 8/swap (default: every --block-sizes x "
-                        "--preemption-modes); each must lie within those, which stay the tuner's allowed values")
+    g.add_argument("--preemption-modes", nargs="+", default=["recompute", "swap"], choices=PREEMPTION_MODES)
+    g.add_argument("--max-num-seqs", type=flags.positive_int, nargs="+", default=None, metavar="N",
+                   help="the grid's max_num_seqs values, whose range the tuner may move it in (default: the "
+                        "server's own, not tuned)")
+    g.add_argument("--max-num-batched-tokens", type=flags.positive_int, nargs="+", default=None, metavar="N",
+                   help="the grid's max_num_batched_tokens values, whose range the tuner may move it in (default: "
+                        "the server's own, not tuned)")
+    g.add_argument("--configs", nargs="+", default=None, metavar="BLOCK/MODE[/SEQS][/TOKENS]",
+                   help="the static runs, e.g. 16/recompute 8/swap/64/1024 (default: the whole grid), with a value "
+                        "for each batch limit the grid has; each must lie within the grid's values, which stay the "
+                        "tuner's allowed ones")
+    g.add_argument("--repeats", type=flags.positive_int, default=1, help="autotuner runs, each on a fresh server")
+    g.add_argument("--screen", type=flags.positive_float, default=None, metavar="SECONDS",
+                   help="screen the grid instead: each static configuration on each phase alone for SECONDS")
     g.add_argument("--slo", default=None, metavar="ttft=500ms,itl=50ms",
                    help="goodput's objective (default: ttft=500ms,itl=50ms; ttft=3s,itl=1s with --quick)")
     g.add_argument("--seed", type=int, default=0)
@@ -77,8 +128,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--queue-depth-low", type=float, default=None,
                    help="below this (and the preemption low level) pressure ends (default 50; 2 with --quick)")
     g.add_argument("--canary-window", type=flags.positive_float, default=None, metavar="SECONDS",
-                   help="saturated time a configuration needs before its measured throughput steers the policy "
-                        "(the operator's canary.window; default 20; 4 with --quick)")
+                   help="how long a change is tried before it is judged, and the saturated time a configuration "
+                        "needs before its measured throughput steers the policy (the operator's canary.window; "
+                        "default 20; 4 with --quick); the canary times out at 3 times it")
+    g.add_argument("--canary-min-requests", type=flags.positive_int, default=None, metavar="N",
+                   help="finished requests a canary needs on each side to be judged (default 20; 2 with --quick)")
     g.add_argument("--preemptions-high", type=float, default=1.0, metavar="PER_S")
     g.add_argument("--preemptions-low", type=float, default=0.1, metavar="PER_S")
     g = parser.add_argument_group("output")
@@ -91,13 +145,14 @@ def _defaults(args: argparse.Namespace) -> None:
     for name, normal, small in (("kv_tokens", 65536, 1024), ("block_sizes", [8, 16, 32], [8, 16]),
                                 ("slo", "ttft=500ms,itl=50ms", "ttft=3s,itl=1s"), ("interval", 5.0, 1.0),
                                 ("cooldown", 30.0, 4.0), ("min_dwell", 10.0, 2.0), ("canary_window", 20.0, 4.0),
+                                ("canary_min_requests", 20, 2),
                                 ("queue_depth_high", 100.0, 6.0), ("queue_depth_low", 50.0, 2.0)):
         if getattr(args, name) is None:
             setattr(args, name, small if quick else normal)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpilot.operator.autotune import CanarySpec, SloTargets, Thresholds, TuningSpec
+    from kvpilot.operator.autotune import CanarySpec, KnobRange, SloTargets, Thresholds, TuningSpec
 
     from .autotune_workload import DEFAULT, QUICK, WorkloadFileError, build_requests, load_phases
     from .slo import parse_slo
@@ -106,13 +161,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         phases = load_phases(args.workload) if args.workload else (QUICK if args.quick else DEFAULT)
         slo = parse_slo(args.slo)
-        serve_flags = _serve_flags(args.serve_args)
+        serve_flags = _serve_flags(args.serve_args, args.max_num_seqs, args.max_num_batched_tokens)
         block_sizes = sorted(set(args.block_sizes))
         modes = list(dict.fromkeys(args.preemption_modes))
         for b in block_sizes:
             if args.kv_tokens < b * 2:
                 raise ValueError(f"--kv-tokens: {args.kv_tokens} tokens are under two blocks of {b}")
-        statics = _static_configs(args.configs, block_sizes, modes)
+        seqs, tokens = _sorted(args.max_num_seqs), _sorted(args.max_num_batched_tokens)
+        statics = _static_configs(args.configs, block_sizes, modes, seqs, tokens)
         longest = max(p.max_tokens for p in phases)
         if longest > args.kv_tokens:
             raise ValueError(f"--kv-tokens: {args.kv_tokens} cannot hold the workload's longest request "
@@ -124,8 +180,11 @@ def run(args: argparse.Namespace) -> int:
                                   preemptions_per_s_high=args.preemptions_high,
                                   preemptions_per_s_low=args.preemptions_low),
             slo=SloTargets(ttft_p99_s=slo.ttft_s, itl_p99_s=slo.itl_s),
+            max_num_seqs=KnobRange(seqs[0], seqs[-1]) if len(seqs) > 1 else None,
+            max_num_batched_tokens=KnobRange(tokens[0], tokens[-1]) if len(tokens) > 1 else None,
             cooldown_s=args.cooldown, min_dwell_s=args.min_dwell,
-            canary=CanarySpec(window_s=args.canary_window, timeout_s=3 * args.canary_window))
+            canary=CanarySpec(window_s=args.canary_window, timeout_s=3 * args.canary_window,
+                              min_requests=args.canary_min_requests))
     except ValueError as e:  # WorkloadFileError included
         message = str(e)
         if not message.startswith("--") and not isinstance(e, WorkloadFileError):
@@ -135,10 +194,15 @@ def run(args: argparse.Namespace) -> int:
     if not any(f.split("=")[0] == "--max-model-len" for f in serve_flags):
         # the engine needs its cache to hold one full-length sequence; the workload needs no more
         serve_flags += ["--max-model-len", str(min(args.kv_tokens, 1 << math.ceil(math.log2(longest))))]
+    if args.screen is not None:
+        phases = tuple(dataclasses.replace(p, duration=args.screen) for p in phases)
     timed = build_requests(phases, args.seed)
-    plans = [RunPlan(f"static b{b} {m}", b, m, False) for b, m in statics]
-    calm = _calm_within(spec)
-    plans.append(RunPlan("autotuner", calm[0], calm[1], True))
+    plans = [RunPlan(f"static {k.name}", k, False) for k in statics]
+    if args.screen is None:
+        calm = _calm_within(spec)
+        start = Knobs(calm[0], calm[1], seqs[-1] if seqs else None, tokens[-1] if tokens else None)
+        plans += [RunPlan("autotuner" if args.repeats == 1 else f"autotuner #{i + 1}", start, True)
+                  for i in range(args.repeats)]
     from .server_process import ServerStartError
 
     try:
@@ -148,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     from .autotune_report import build_body, print_table, write_outputs
 
-    body = build_body(args, phases, slo, spec, runs, timed)
+    body = build_body(args, phases, slo, spec, runs, timed, _baseline(statics))
     print_table(body)
     if args.output:
         write_outputs(args.output, body)
@@ -156,18 +220,44 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _static_configs(given: list[str] | None, block_sizes: list[int], modes: list[str]) -> list[tuple[int, str]]:
+def _sorted(values: list[int] | None) -> list[int]:
+    return sorted(set(values or ()))
+
+
+def _static_configs(given: list[str] | None, block_sizes: list[int], modes: list[str], seqs: list[int],
+                    tokens: list[int]) -> list[Knobs]:
+    """The grid's configurations, or those `--configs` names (each within the grid's values)."""
     if given is None:
-        return [(b, m) for b in block_sizes for m in modes]
-    out = []
+        grid: tuple[list[int | None], list[int | None]] = (list(seqs) or [None], list(tokens) or [None])
+        return [Knobs(b, m, s, t) for b in block_sizes for m in modes for s in grid[0] for t in grid[1]]
+    gridded = [name for name, grid in (("SEQS", seqs), ("TOKENS", tokens)) if grid]
+    out: list[Knobs] = []
     for text in given:
-        block, _, mode = text.partition("/")
-        if not block.isdigit() or int(block) not in block_sizes or mode not in modes:
-            raise ValueError(f"--configs: {text!r} is not BLOCK/MODE with BLOCK in --block-sizes {block_sizes} and "
-                             f"MODE in --preemption-modes {modes}")
-        if (int(block), mode) not in out:
-            out.append((int(block), mode))
+        parts = text.split("/")
+        rule = (f"--configs: {text!r} is not {'/'.join(['BLOCK', 'MODE', *gridded])} with BLOCK in --block-sizes "
+                f"{block_sizes} and MODE in --preemption-modes {modes}"
+                + (f", SEQS in --max-num-seqs {seqs}" if seqs else "")
+                + (f", TOKENS in --max-num-batched-tokens {tokens}" if tokens else ""))
+        if len(parts) != 2 + len(gridded) or not all(p.isdigit() for p in [parts[0], *parts[2:]]):
+            raise ValueError(rule)
+        limits = dict(zip(gridded, (int(p) for p in parts[2:]), strict=True))
+        knobs = Knobs(int(parts[0]), parts[1], limits.get("SEQS"), limits.get("TOKENS"))
+        if knobs.block_size not in block_sizes or knobs.preemption_mode not in modes or \
+                limits.get("SEQS", seqs[0] if seqs else 0) not in (seqs or [0]) or \
+                limits.get("TOKENS", tokens[0] if tokens else 0) not in (tokens or [0]):
+            raise ValueError(rule)
+        if knobs not in out:
+            out.append(knobs)
     return out
+
+
+def _baseline(statics: list[Knobs]) -> str | None:
+    """The unswitched default the verdicts compare with: block 16, recompute, the largest batch
+    limits of the grid (the engine's own defaults are its largest), if the grid ran it."""
+    default = [k for k in statics if (k.block_size, k.preemption_mode) == (16, "recompute")]
+    if not default:
+        return None
+    return f"static {max(default, key=lambda k: (k.max_num_seqs or 0, k.max_num_batched_tokens or 0)).name}"
 
 
 def _calm_within(spec: Any) -> tuple[int, str]:
@@ -178,15 +268,16 @@ def _calm_within(spec: Any) -> tuple[int, str]:
     return block, mode
 
 
-def _serve_flags(text: str) -> list[str]:
+def _serve_flags(text: str, seqs: list[int] | None = None, tokens: list[int] | None = None) -> list[str]:
     from kvpilot.runtime.cli import build_parser
 
     try:
         flags_ = shlex.split(text)
     except ValueError as e:
         raise ValueError(f"--serve-args: {e}") from None
+    own = _OWN_FLAGS + tuple(f for f, grid in (("--max-num-seqs", seqs), ("--max-num-batched-tokens", tokens)) if grid)
     for flag in flags_:
-        if flag.split("=")[0] in _OWN_FLAGS:
+        if flag.split("=")[0] in own:
             raise ValueError(f"--serve-args: {flag.split('=')[0]} is set by the benchmark for each server")
     try:
         build_parser().parse_args(["serve", *flags_])
@@ -219,9 +310,8 @@ async def _one_run(args: argparse.Namespace, plan: RunPlan, timed: list[Any], se
     from .server_process import serve
 
     token = secrets.token_hex(16)
-    flags_ = [*serve_flags, "--block-size", str(plan.block_size), "--preemption-mode", plan.preemption_mode,
-              "--num-gpu-blocks-override", str(args.kv_tokens // plan.block_size), "--admin-token", token,
-              "--disable-log-stats"]
+    flags_ = [*serve_flags, *plan.knobs.flags(), "--num-gpu-blocks-override", str(args.kv_tokens // plan.block_size),
+              "--admin-token", token, "--disable-log-stats"]
     log_dir = args.output.parent / "autotune-logs" if args.output else Path(tempfile.gettempdir()) / "kvpilot-autotune-logs"
     async with serve(flags_, log_dir / f"{plan.name.replace(' ', '-')}.log") as base:
         headers = {"Authorization": f"Bearer {token}"}
@@ -238,18 +328,38 @@ async def _one_run(args: argparse.Namespace, plan: RunPlan, timed: list[Any], se
         counters = _CounterSampler(endpoint)
         stop = asyncio.Event()
         started_at = time.time()
-        tuner = LiveTuner(endpoint, spec, limits, token, started_at) if plan.tuned else None
+        tuner = LiveTuner([endpoint], spec, limits, token, started_at) if plan.tuned else None
         side = [asyncio.create_task(counters.run(stop, started_at))]
         if tuner is not None:
             side.append(asyncio.create_task(tuner.run(stop)))
         try:
-            load = await run_load(config, [t.request for t in timed], progress=progress,
-                                  arrivals=[t.at for t in timed])
+            if args.screen is None:
+                load = await run_load(config, [t.request for t in timed], progress=progress,
+                                      arrivals=[t.at for t in timed])
+            else:  # each phase alone: the next starts once the server is idle again
+                load = await _phases_alone(config, timed, progress)
         finally:
             stop.set()
             await asyncio.gather(*side)
     return {"plan": plan, "load": load, "counters": counters.points, "tuner": tuner.log if tuner else None,
             "num_gpu_blocks": engine["num_blocks"]}
+
+
+async def _phases_alone(config: Any, timed: list[Any], progress: Any) -> Any:
+    """The phases one after another, each sent once the one before was answered in full (its
+    arrival times kept relative to its own start); the results in `timed`'s order, their send
+    times moved back onto the workload's clock so that the report splits them by phase."""
+    from .loadgen import LoadResult, run_load
+
+    results: list[Any] = []
+    started, began = time.time(), time.monotonic()
+    for phase in sorted({t.phase for t in timed}):
+        mine = [t for t in timed if t.phase == phase]
+        offset = min(t.at for t in mine)
+        load = await run_load(config, [t.request for t in mine], progress=progress,
+                              arrivals=[t.at - offset for t in mine])
+        results += [dataclasses.replace(r, sent_s=r.sent_s + offset) for r in load.results]
+    return LoadResult(results, time.monotonic() - began, started)
 
 
 def _parsed_serve_flags(serve_flags: list[str]) -> argparse.Namespace:

@@ -1,12 +1,13 @@
-"""The autotuner as the operator runs it, on one live server: every `spec.interval_s` the operator's
-`ServiceScraper` scrapes `/metrics`, the operator's `decide` turns the window into a decision, and
-`AdminClient` applies it through `POST /admin/config`. Nothing here decides anything itself: a
-change in the operator's policy is a change in what this loop does.
+"""The autotuner as the operator runs it, on live servers: every `spec.interval_s` the operator's
+`ServiceScraper` scrapes each server's `/metrics` and the operator's own tuning step
+(`kvpilot.operator.tuner.tune`: the policy, the canary and its judgement, the measured outcomes,
+the switch costs) decides and calls `POST /admin/config` through the operator's `AdminClient`.
+Only the pods (the benchmark's servers) and the clock are the benchmark's; nothing here decides
+anything: a change in the operator's step is a change in what this loop does.
 
-One server is one replica, so there is no other pod to canary against; every decision goes
-straight to the server (the operator's canary step is judged separately, in its own tests).
-Each applied change is recorded with the engine's own account of the pause it caused, which the
-policy weighs against the next such switch's expected gain (as the operator does).
+One server is one replica: a change is tried on it as a canary, judged against its own window
+before the change, and promoted or rolled back, as the operator does for a one-replica service.
+Each admin call that changed something is recorded with the engine's own account of its pause.
 """
 
 from __future__ import annotations
@@ -16,32 +17,34 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from statistics import fmean
 from typing import Any
 
 import aiohttp
 
+from kvpilot.operator.autoscale.coordination import Coordination
 from kvpilot.operator.autotune import (
     AdminClient,
-    AdminError,
     EngineLimits,
-    EngineTarget,
-    LiveConfig,
-    Outcomes,
     PodEndpoint,
     ServiceScraper,
     TuningSpec,
-    decide,
 )
+from kvpilot.operator.tuner import TuningInputs, tune
+from kvpilot.operator.tuner_state import TunerState
 
 
 @dataclass
 class TunerLog:
-    switches: list[dict[str, Any]] = field(default_factory=list)  # applied changes
+    switches: list[dict[str, Any]] = field(default_factory=list)  # admin calls that changed a config
     num_decisions: int = 0
     num_holds: int = 0
     scrape_failures: int = 0
     admin_errors: list[str] = field(default_factory=list)
-    decisions: list[dict[str, Any]] = field(default_factory=list)  # every decision: time, config, signals, reason
+    # every pass: time, action, the config in force, the Tuned condition's reason and message
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)  # the operator's decision records
+    events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def pause_s(self) -> float:
@@ -49,68 +52,60 @@ class TunerLog:
 
 
 class LiveTuner:
-    def __init__(self, endpoint: PodEndpoint, spec: TuningSpec, limits: EngineLimits, admin_token: str,
+    def __init__(self, endpoints: list[PodEndpoint], spec: TuningSpec, limits: EngineLimits, admin_token: str,
                  started_at: float) -> None:
-        self.endpoint = endpoint
+        self.endpoints = endpoints
         self.spec = spec
         self.limits = limits
         self.admin_token = admin_token
-        self.started_at = started_at  # wall clock of the load's start: switches are timed from it
+        self.started_at = started_at  # wall clock of the load's start: everything is timed from it
         self.log = TunerLog()
-        self.outcomes = Outcomes()
+        self.state = TunerState()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Scrape, decide, apply, until `stop` is set."""
+        """Scrape, take the operator's tuning step, until `stop` is set."""
         spec = self.spec
         async with aiohttp.ClientSession() as session:
             scraper = ServiceScraper("bench", "autotune", session, timeout_s=min(10.0, spec.interval_s),
                                      span_s=spec.window_span_s)
-            admin = AdminClient(session, self.admin_token)
-            current = await admin.get_config(self.endpoint)
-            last_change: float | None = None
-            observed: float | None = None  # the end of the span last fed to the outcomes
+            admin = AdminClient(session, self.admin_token, timeout_s=60, attempts=3, backoff_s=0.2)
             while not stop.is_set():
-                report = await scraper.scrape([self.endpoint])
+                report = await scraper.scrape(self.endpoints)
                 self.log.scrape_failures += len(report.failures)
                 now = time.time()
-                if observed is not None:
-                    self.outcomes.observe(scraper.summaries(since=observed), spec.thresholds, last_change=last_change)
-                observed = now
-                measured = self.outcomes.measured(spec.canary.window_s)
-                decision = decide(scraper.summaries(since=now - spec.min_dwell_s), current, spec, self.limits,
-                                  now=now, last_change=last_change, measured=measured,
-                                  pauses=self.outcomes.pauses())
-                self.log.num_decisions += 1
-                self.log.decisions.append({
-                    "at_s": now - self.started_at, "config": _knobs(current), "reason": decision.reason,
-                    "signals": dataclasses.asdict(decision.signals) if decision.signals else None,
-                    "measured": {f"{c.block_size}/{c.preemption_mode}": dataclasses.asdict(e)
-                                 for c, e in measured.items()}})
-                if decision.changes:
-                    try:
-                        applied = await admin.apply(self.endpoint, decision.changes)
-                    except AdminError as e:
-                        self.log.admin_errors.append(str(e))
-                    else:
-                        self.log.switches.append({
-                            "at_s": now - self.started_at, "from": _knobs(current), "to": _knobs(applied.config),
-                            "reason": decision.reason, "pause_s": applied.duration_s,
-                            "relayout_pause_s": applied.relayout_pause_s,
-                            "signals": dataclasses.asdict(decision.signals) if decision.signals else None,
-                        })
-                        if applied.relayout_pause_s is not None:
-                            self.outcomes.record_pause(EngineTarget(current.block_size, current.preemption_mode),
-                                                       EngineTarget(applied.config.block_size,
-                                                                    applied.config.preemption_mode),
-                                                       applied.relayout_pause_s)
-                        current = applied.config
-                        last_change = time.time()
-                else:
-                    self.log.num_holds += 1
+                inputs = TuningInputs(now, spec, self.limits, {}, scraper.windows,
+                                      {p: s.settings for p, s in report.samples.items()},
+                                      {e.pod: e for e in self.endpoints if e.pod in report.samples},
+                                      Coordination(), dwell_s=0.0, num_failures=len(report.failures))
+                step = await tune(self.state, inputs, admin)
+                self.state = step.state
+                self._record(now, step, inputs.summaries(since=now - 2 * spec.interval_s))
                 with contextlib.suppress(TimeoutError):  # asyncio.timeout keeps a cancellation
                     async with asyncio.timeout(spec.interval_s):
                         await stop.wait()
 
-
-def _knobs(config: LiveConfig) -> dict[str, Any]:
-    return dataclasses.asdict(config)
+    def _record(self, now: float, step: Any, recent: dict[str, Any]) -> None:
+        at = now - self.started_at
+        # what the pods showed over the last intervals (means over pods), beside the step's verdict
+        signals = None if not recent else {
+            "queue_depth": fmean(s.num_waiting_seqs for s in recent.values()),
+            "preemptions_per_s": fmean(s.preemptions_per_s for s in recent.values())}
+        condition = step.state.condition or {}
+        config = step.state.config
+        self.log.num_decisions += 1
+        self.log.num_holds += step.action == "wait"
+        self.log.decisions.append({"at_s": at, "action": step.action, "outcome": step.outcome,
+                                   "config": dataclasses.asdict(config) if config is not None else None,
+                                   "reason": condition.get("reason"), "message": condition.get("message"),
+                                   "signals": signals})
+        for call in step.calls:
+            if call.config is None:
+                self.log.admin_errors.append(call.error)
+            elif call.before is not None and call.before != call.config:
+                self.log.switches.append({"at_s": at, "pod": call.pod, "action": step.action,
+                                          "from": dataclasses.asdict(call.before),
+                                          "to": dataclasses.asdict(call.config),
+                                          "reason": condition.get("message"), "pause_s": call.duration_s,
+                                          "relayout_pause_s": call.pause_s})
+        self.log.records += [{**r.to_status(), "at_s": r.time - self.started_at} for r in step.records]
+        self.log.events += [{"at_s": at, **dataclasses.asdict(e)} for e in step.events]

@@ -1,5 +1,6 @@
 """A fresh `kvpilot serve` process on a loopback port, for benchmarks that compare configurations
-each on its own server: started with the given flags, ready when `/ready` answers 200, stopped
+each on its own server: started with the given flags, ready when `/ready` answers 200 and `/health`
+says the work it does after Ready is done, stopped
 with SIGTERM (then SIGKILL) however the block exits. Its log goes to a file, quoted when it dies."""
 
 from __future__ import annotations
@@ -63,8 +64,13 @@ async def _wait_ready(base: str, proc: subprocess.Popen[bytes], log_path: Path, 
                 raise ServerStartError(f"kvpilot serve exited with {proc.returncode}: {' | '.join(tail)}")
             try:
                 async with session.get(f"{base}/ready", timeout=aiohttp.ClientTimeout(total=5)) as response:
-                    if response.status == 200:
-                        return
+                    ready = response.status == 200
+                # and done with the start-up work it does after Ready (other block sizes' kernels and
+                # graphs), which would otherwise stall the first seconds of a measurement
+                if ready:
+                    async with session.get(f"{base}/health", timeout=aiohttp.ClientTimeout(total=5)) as response:
+                        if not (await response.json()).get("warming_up", False):
+                            return
             except (aiohttp.ClientError, TimeoutError):
                 pass
             if loop.time() > deadline:

@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "not allowed) or only the checkpoint's pages (kind to a shared machine)")
     parser.add_argument("--readers", nargs="+", default=["auto"], choices=("auto", "safetensors", "fastsafetensors"),
                         help="weight readers to compare (KVPILOT_WEIGHT_READER of each run)")
-    parser.add_argument("--serve-args", default="", help="more `kvpilot serve` flags, one string")
+    parser.add_argument("--serve-args", default="",
+                        help="more `kvpilot serve` flags, one string (--serve-args='--enforce-eager')")
     parser.add_argument("--wait-after-ready", type=float, default=0.0, metavar="SECONDS",
                         help="also wait up to this long for the work done after Ready (other block sizes)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a start may take")
@@ -180,7 +181,7 @@ def start_once(flags: list[str], reader: str, timeout: float, wait_after_ready: 
         ready = time.time()
         cpu_s = cpu_seconds(proc.pid)  # load-independent: what the start cost, not how long it waited
         request_s = _one_request(base)
-        after = _wait_after_ready(log_path, wait_after_ready) if wait_after_ready > 0 else None
+        after = _wait_after_ready(base, log_path, wait_after_ready) if wait_after_ready > 0 else None
     finally:
         proc.terminate()
         try:
@@ -240,11 +241,13 @@ def _one_request(base: str) -> float:
     return time.perf_counter() - start
 
 
-def _wait_after_ready(log_path: Path, seconds: float) -> dict[str, Any] | None:
+def _wait_after_ready(base: str, log_path: Path, seconds: float) -> dict[str, Any] | None:
+    """The core's record of the work it did after Ready, once `/health` says it is done; None if
+    not within `seconds`."""
     deadline = time.time() + seconds
     while time.time() < deadline:
         found = re.search(r"after ready: (\{.*\})", log_path.read_text())
-        if found:
+        if found and not json.loads(_get(f"{base}/health")[1]).get("warming_up", True):
             return dict(json.loads(found.group(1)))
         time.sleep(0.2)
     return None
@@ -255,34 +258,37 @@ def _wait_after_ready(log_path: Path, seconds: float) -> dict[str, Any] | None:
 def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median over runs of the wall time to Ready, the first request, and each phase's seconds."""
     phases: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     details: dict[str, dict[str, Any]] = {}
     for one in runs:
         for p in one["phases"]:
             key = f"{p['process']}:{p['name']}"
             phases.setdefault(key, []).append(p["seconds"])
-            details[key] = {k: v for k, v in p.items() if k not in ("name", "process", "start_s", "seconds")}
+            cpu.setdefault(key, []).append(p.get("cpu_s", 0.0))
+            details[key] = {k: v for k, v in p.items() if k not in ("name", "process", "start_s", "seconds", "cpu_s")}
     return {"ready_wall_s": statistics.median(r["ready_wall_s"] for r in runs),
             "cpu_s": statistics.median(r["cpu_s"] for r in runs),
             "first_request_s": statistics.median(r["first_request_s"] for r in runs),
-            "phases": {k: {"seconds": round(statistics.median(v), 3), **details[k]} for k, v in phases.items()}}
+            "phases": {k: {"seconds": round(statistics.median(v), 3), "cpu_s": round(statistics.median(cpu[k]), 3),
+                           **details[k]} for k, v in phases.items()}}
 
 
 def print_table(result: dict[str, Any]) -> None:
     conditions = result["conditions"]
     names = list(dict.fromkeys(k for c in conditions for k in c["median"]["phases"]))
     heads = [f"{c['reader']}/{c['cache']}" for c in conditions]
-    print(f"\nmedian of {result['runs']} runs; seconds (phases of the API process 'api:' and the engine core "
-          "'core:' overlap: the core starts while the API process loads)")
-    print(f"{'phase':<24}" + "".join(f"{h:>22}" for h in heads))
+    print(f"\nmedian of {result['runs']} runs; seconds, wall and CPU (phases of the API process 'api:' and the "
+          "engine core 'core:' overlap: the core starts while the API process loads)")
+    print(f"{'phase':<24}" + "".join(f"{h + ' wall   cpu':>26}" for h in heads))
     for name in names:
         cells = []
         for c in conditions:
             p = c["median"]["phases"].get(name)
-            cells.append(f"{p['seconds']:>22.3f}" if p else f"{'-':>22}")
+            cells.append(f"{p['seconds']:>20.3f}{p['cpu_s']:>6.2f}" if p else f"{'-':>26}")
         print(f"{name:<24}" + "".join(cells))
     for label, key in (("process start -> Ready", "ready_wall_s"), ("CPU seconds to Ready", "cpu_s"),
                        ("first request", "first_request_s")):
-        print(f"{label:<24}" + "".join(f"{c['median'][key]:>22.3f}" for c in conditions))
+        print(f"{label:<24}" + "".join(f"{c['median'][key]:>20.3f}{'':>6}" for c in conditions))
     if "disk" in result:
         gb = result["checkpoint_bytes"] / 1e9
         print(f"checkpoint {gb:.2f} GB; one reader: {result['disk']['cold_gb_per_s']} GB/s cold, "

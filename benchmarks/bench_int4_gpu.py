@@ -57,7 +57,7 @@ from kvpilot.kernels.int_gemm.launcher import choose_decode  # noqa: E402
 PROJECTIONS = {name: SHAPES[name] for name in ("qkv", "o", "gate_up", "down")}
 GROUP = 128
 SWEEP = [DecodeConfig(block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st)
-         for bn in (16, 32, 64) for bk in (64, 128) for s in (1, 2, 4) for w, st in ((4, 4), (2, 4), (4, 2))]
+         for bn in (16, 32, 64) for bk in (64, 128) for s in (1, 2) for w, st in ((4, 4), (4, 2))]
 
 
 def random_weight(n: int, k: int, bits: int = 4, act_order: bool = False) -> IntWeight:

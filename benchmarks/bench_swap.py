@@ -37,8 +37,8 @@ import torch
 
 from kvpilot.bench.percentile import percentile
 from kvpilot.runtime import LLM, SamplingParams
-from kvpilot.runtime.config import BLOCK_SIZES
 from kvpilot.runtime.sched.sequence import Request
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 MiB = 1 << 20
 

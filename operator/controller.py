@@ -34,7 +34,8 @@ from .status import api_error_status, invalid_spec_status, merge_conditions, sta
 from .timestamps import now_iso
 
 if TYPE_CHECKING:
-    from .autotune.live_config import LiveConfig
+    from kvpilot.runtime.tunables import LiveConfig
+
     from .pilot import Pilots, PilotSettings
 
 logger = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class Controller:
             self.pilots.sync(key, settings, status, tuned)
 
     def _pilot_settings(self, desired: Desired) -> PilotSettings:
-        from .autotune.live_config import EngineLimits
+        from .autotune.engine_limits import EngineLimits
         from .pilot import PilotSettings
 
         engine = desired.spec.engine

@@ -37,6 +37,8 @@ from typing import Any
 
 import aiohttp
 
+from kvpilot.runtime.tunables import LiveConfig
+
 from . import metrics
 from .autoscale.calculator import PodState
 from .autoscale.coordination import Coordination
@@ -46,7 +48,7 @@ from .autoscale.scaling_spec import ScalingSpec
 from .autoscale.startup import PodStartup, pod_startup
 from .autotune.admin import AdminClient
 from .autotune.endpoint import PodEndpoint
-from .autotune.live_config import EngineLimits, LiveConfig
+from .autotune.engine_limits import EngineLimits
 from .autotune.scrape import ScrapeReport, ServiceScraper
 from .autotune.tuning_spec import TuningSpec
 from .engine_args import SERVE_PORT

@@ -20,10 +20,11 @@ from typing import Any
 
 import pydantic
 
+from kvpilot.runtime.tunables import LiveConfig
+
 from .autoscale.hpa import build_hpa
 from .autoscale.keda import KEDA_GROUP, KEDA_VERSION, build_scaled_object, missing_api
 from .autoscale.scaling_spec import ScalingSpec
-from .autotune.live_config import LiveConfig
 from .autotune.tuning_spec import TuningSpec
 from .compare import covers
 from .kube import Kube
@@ -112,10 +113,7 @@ def with_tuned(spec: InferenceServiceSpec, tuned: LiveConfig | None) -> Inferenc
     """`spec` with the tuned live values in its engine section."""
     if tuned is None:
         return spec
-    engine = spec.engine.model_copy(update={
-        "block_size": tuned.block_size, "preemption_mode": tuned.preemption_mode,
-        "max_num_seqs": tuned.max_num_seqs, "max_num_batched_tokens": tuned.max_num_batched_tokens,
-        "scheduler_policy": tuned.scheduler_policy})
+    engine = spec.engine.model_copy(update=tuned.to_json())  # spec.engine's fields are the tunables' names
     return spec.model_copy(update={"engine": engine})
 
 
@@ -206,7 +204,7 @@ def recorded_tuned(kube: Kube, desired: Desired, status: Manifest) -> LiveConfig
         config_map = kube.get("ConfigMap", owner.namespace, owner.tuned_config_name) or {}
         try:
             values = json.loads((config_map.get("data") or {}).get(TUNED_CONFIG_KEY) or "{}")
-            return LiveConfig.from_engine(values)
+            return LiveConfig.from_json(values)
         except (ValueError, TypeError):  # {} before the first change, or not ours to read
             pass
     return LiveConfig.from_status((status.get("tuning") or {}).get("config"))

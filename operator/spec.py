@@ -10,11 +10,24 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
-BlockSize = Literal[8, 16, 32, 64]
-PreemptionMode = Literal["recompute", "swap"]
+from kvpilot.runtime.tunables import (
+    BLOCK_SIZE,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    PREEMPTION_MODE,
+    PREEMPTION_MODES,
+    SCHEDULER_POLICY,
+)
+
+# the live tunables' values and bounds are the runtime's contract (kvpilot.runtime.tunables)
+BlockSize = Annotated[int, AfterValidator(BLOCK_SIZE.check)]
+PreemptionMode = Annotated[str, AfterValidator(PREEMPTION_MODE.check)]
+SchedulerPolicy = Annotated[str, AfterValidator(SCHEDULER_POLICY.check)]
+MaxNumSeqs = Annotated[int, AfterValidator(MAX_NUM_SEQS.check)]
+MaxNumBatchedTokens = Annotated[int, AfterValidator(MAX_NUM_BATCHED_TOKENS.check)]
 Quantity = int | str
 # The CRD's duration pattern: a count and one unit (30s, 10m, 1h).
 Duration = Annotated[str, StringConstraints(pattern=r"^[0-9]+(s|m|h)$")]
@@ -41,15 +54,16 @@ class ResourcesSpec(_Model):
 
 
 class EngineSpec(_Model):
-    block_size: BlockSize = 16
+    block_size: BlockSize = BLOCK_SIZE.default
     swap_space: float = Field(default=4, ge=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     num_gpu_blocks_override: int | None = None
-    max_num_seqs: int = Field(default=256, ge=1)
-    max_num_batched_tokens: int | None = None
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    max_num_seqs: MaxNumSeqs = MAX_NUM_SEQS.default
+    max_num_batched_tokens: MaxNumBatchedTokens | None = None
     max_model_len: int | None = None
-    preemption_mode: PreemptionMode = "recompute"
-    scheduler_policy: Literal["fcfs", "fair", "priority"] = "fcfs"
+    preemption_mode: PreemptionMode = PREEMPTION_MODE.default
+    scheduler_policy: SchedulerPolicy = SCHEDULER_POLICY.default
     priority_aging: float = Field(default=10, gt=0, le=86400)
     fair_prompt_weight: float = Field(default=1, gt=0, le=1000)
     fair_output_weight: float = Field(default=2, gt=0, le=1000)
@@ -101,7 +115,7 @@ class AutotuneSpec(_Model):
     cooldown: Duration = "10m"
     min_dwell: Duration = "60s"
     allowed_block_sizes: tuple[BlockSize, ...] = (8, 16, 32)
-    allowed_preemption_modes: tuple[PreemptionMode, ...] = ("recompute", "swap")
+    allowed_preemption_modes: tuple[PreemptionMode, ...] = PREEMPTION_MODES
     pressure: EngineTargetSpec = EngineTargetSpec()
     calm: EngineTargetSpec = EngineTargetSpec()
     thresholds: AutotuneThresholds = AutotuneThresholds()

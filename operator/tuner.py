@@ -38,12 +38,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from kvpilot.runtime.tunables import LiveConfig
+
 from .autoscale.coordination import Coordination
 from .autoscale.history import DecisionRecord, tune_record
 from .autotune.admin import AdminClient, AdminError
 from .autotune.canary import judge
 from .autotune.endpoint import PodEndpoint
-from .autotune.live_config import EngineLimits, LiveConfig
+from .autotune.engine_limits import EngineLimits
 from .autotune.policy import Decision, decide
 from .autotune.sample import EngineSettings
 from .autotune.tuning_spec import EngineTarget, TuningSpec
@@ -90,6 +92,7 @@ class ChangeResult:
     config: LiveConfig | None  # what the pod runs after the call; None: it failed
     error: str = ""
     before: LiveConfig | None = None  # what it ran before a change
+    duration_s: float = 0.0  # how long the engine took to apply it (its own account)
     pause_s: float | None = None  # a block-size change: the engine's own pause (relayout.pause_ms)
 
 
@@ -110,6 +113,8 @@ class TuningStep:
     events: tuple[Event, ...] = ()
     records: tuple[DecisionRecord, ...] = ()
     outcome: Outcome | None = None
+    action: Action = "wait"
+    calls: tuple[ChangeResult, ...] = ()  # the admin calls the pass made, with their answers
 
 
 def _tuned(status: bool | None, reason: str, message: str) -> dict[str, str]:
@@ -221,7 +226,8 @@ async def execute(plan: Plan, admin: AdminClient | None, endpoints: Mapping[str,
         except AdminError as exc:
             results.append(ChangeResult(change.pod, None, str(exc)))
             continue
-        results.append(ChangeResult(change.pod, applied.config, before=current, pause_s=applied.relayout_pause_s))
+        results.append(ChangeResult(change.pod, applied.config, before=current, duration_s=applied.duration_s,
+                                    pause_s=applied.relayout_pause_s))
     return results
 
 
@@ -243,7 +249,7 @@ def settle(plan: Plan, results: list[ChangeResult], inputs: TuningInputs) -> Tun
             outcomes.record_pause(knobs(r.before), knobs(r.config), r.pause_s)
     state = replace(state, pods=pods, outcomes=outcomes)
     failed = [r for r in results if r.config is None]
-    step = TuningStep(state, coordination, plan.events)
+    step = TuningStep(state, coordination, plan.events, action=plan.action, calls=tuple(results))
     return _SETTLE[plan.action](step, plan, results, failed, now)
 
 

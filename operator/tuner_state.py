@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .autotune.live_config import LiveConfig
+from kvpilot.runtime.tunables import BLOCK_SIZE, PREEMPTION_MODE, LiveConfig
+
 from .autotune.outcomes import Outcomes
 from .autotune.tuning_spec import EngineTarget
 from .objects import Manifest
@@ -69,7 +70,7 @@ class TunerState:
     observed: float | None = None  # the end of the span last fed to `outcomes`
 
     def to_status(self) -> Manifest:
-        out: Manifest = {"pods": [{"pod": p, "blockSize": k.block_size, "preemptionMode": k.preemption_mode}
+        out: Manifest = {"pods": [{"pod": p, BLOCK_SIZE.camel: k.block_size, PREEMPTION_MODE.camel: k.preemption_mode}
                                   for p, k in sorted(self.pods.items())]}
         if self.tuned is not None:
             out["config"] = self.tuned.to_status()

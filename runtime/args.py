@@ -15,17 +15,27 @@ from typing import Any
 
 from kvpilot.runtime.arg_types import fraction, non_negative_float, positive_float, positive_int
 from kvpilot.runtime.config import (
-    BLOCK_SIZES,
     DTYPES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
-    PREEMPTION_MODES,
     QUANTIZATION_METHODS,
-    SCHEDULER_POLICIES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+)
+from kvpilot.runtime.tunables import (
+    BLOCK_SIZE,
+    BLOCK_SIZES,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    PREEMPTION_MODE,
+    PREEMPTION_MODES,
+    SCHEDULER_POLICIES,
+    SCHEDULER_POLICY,
+    Tunable,
+    check_changes,
 )
 
 
@@ -39,17 +49,19 @@ class EngineArgs:
     quantization: str | None = "auto"  # auto (or None): the checkpoint's quantization_config
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE.default
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     cpu_kv_cache_space: float = 1.0  # GiB of KV cache when running on the CPU
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: float8 e4m3, per-layer scales
+    calculate_kv_scales: bool | None = None  # fp8: None measures them when the checkpoint has none
     enable_prefix_caching: bool = False
-    max_num_seqs: int = 256
+    max_num_seqs: int = MAX_NUM_SEQS.default
     max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len without chunking
     enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
-    scheduler_policy: str = "fcfs"
+    preemption_mode: str = PREEMPTION_MODE.default
+    scheduler_policy: str = SCHEDULER_POLICY.default
     priority_aging: float = 10.0  # seconds of waiting worth one priority level
     fair_prompt_weight: float = 1.0
     fair_output_weight: float = 2.0
@@ -99,6 +111,8 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             cpu_kv_cache_space_gib=self.cpu_kv_cache_space,
+            kv_cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -162,25 +176,20 @@ class EngineArgs:
             raise ValueError(f"tuned_config: {path} is not JSON: {e}") from None
         if not isinstance(tuned, dict):
             raise ValueError(f"tuned_config: {path} must hold a JSON object, not {type(tuned).__name__}")
-        unknown = sorted(set(tuned) - set(TUNED_FIELDS))
-        if unknown:
-            raise ValueError(f"tuned_config: {path} sets {', '.join(unknown)}; only {', '.join(TUNED_FIELDS)} "
-                             f"are tunable")
-        for name, value in tuned.items():
-            check = TUNED_FIELDS[name]
-            if not check(value):
-                raise ValueError(f"tuned_config: {path} sets {name} to {value!r}, which is not valid")
-        return dataclasses.replace(self, **tuned)
+        try:
+            return dataclasses.replace(self, **check_changes(tuned))
+        except ValueError as e:
+            raise ValueError(f"tuned_config: {path}: {e}") from None
 
 
-# What `--tuned-config` may set (the tunables `POST /admin/config` changes), with their checks.
-TUNED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "block_size": lambda v: v in BLOCK_SIZES,
-    "preemption_mode": lambda v: v in PREEMPTION_MODES,
-    "scheduler_policy": lambda v: v in SCHEDULER_POLICIES,
-    "max_num_seqs": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-    "max_num_batched_tokens": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-}
+def _tunable(tunable: Tunable) -> Callable[[str], Any]:
+    """An argparse type for a live tunable: its value by the contract's rule (tunables.py)."""
+    def convert(text: str) -> Any:
+        try:
+            return tunable.check(tunable.kind(text))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {tunable.rule}, not {text!r}") from None
+    return convert
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -202,17 +211,26 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=positive_int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
     g = parser.add_argument_group("KV cache")
-    g.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=d.block_size)
+    g.add_argument("--block-size", type=_tunable(BLOCK_SIZE), choices=BLOCK_SIZES, default=d.block_size)
     g.add_argument("--swap-space", type=non_negative_float, default=d.swap_space, help="GiB of host memory for swapped KV blocks")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=d.gpu_memory_utilization)
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None)
     g.add_argument("--cpu-kv-cache-space", type=non_negative_float, default=d.cpu_kv_cache_space, help="GiB of KV cache on the CPU")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="auto: the model's dtype; fp8: float8 e4m3 with a k and a v scale per layer (the "
+                        "checkpoint's, else measured at start: see --calculate-kv-scales), twice the tokens "
+                        "of bf16 in the same memory")
+    g.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=d.calculate_kv_scales,
+                   help="with --kv-cache-dtype fp8: measure each layer's k and v scales at start from a "
+                        "calibration prefill, even over the checkpoint's (--no-calculate-kv-scales: the "
+                        "checkpoint's, else 1.0; default: measure only when the checkpoint has none)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse the KV blocks of prompt prefixes already computed (full blocks, matched by "
                         "chained SHA-256 digests of their tokens)")
     g = parser.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    g.add_argument("--max-num-seqs", type=_tunable(MAX_NUM_SEQS), default=d.max_num_seqs, help="live-tunable")
+    g.add_argument("--max-num-batched-tokens", type=_tunable(MAX_NUM_BATCHED_TOKENS), default=None,
+                   help="default: 2048, or max_model_len without chunked prefill; live-tunable")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill)
     g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=d.preemption_mode,
                    help="recompute: drop a preempted sequence's KV and prefill it again; swap: copy it to "

@@ -9,13 +9,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-BLOCK_SIZES = (8, 16, 32, 64)
-PREEMPTION_MODES = ("recompute", "swap")
-SCHEDULER_POLICIES = ("fcfs", "fair", "priority")
+# the live tunables' values and bounds are the contract's, shared with the operator
+from kvpilot.runtime.tunables import (
+    BLOCK_SIZE,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    PREEMPTION_MODE,
+    SCHEDULER_POLICY,
+)
+
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --quantization methods (`auto`, the flag's default, resolves to one of these or none: quantization.py)
 QUANTIZATION_METHODS = ("fp8", "awq", "gptq")
+# what the KV cache holds: auto, the model's dtype; fp8, float8 e4m3 with per-layer k and v scales
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def _check(condition: bool, name: str, message: str) -> None:
@@ -44,30 +52,38 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE.default
     gpu_memory_utilization: float = 0.9
     swap_space_gib: float = 4.0
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = False
     # KV budget when running on the CPU, where there is no device memory to profile.
     cpu_kv_cache_space_gib: float = 1.0
+    kv_cache_dtype: str = "auto"
+    # fp8: measure the scales at start (True), never (False: the checkpoint's, else 1.0), or only
+    # when the checkpoint has none (None); executor/kv_scales.py
+    calculate_kv_scales: bool | None = None
 
     def __post_init__(self) -> None:
-        _check(self.block_size in BLOCK_SIZES, "block_size", f"must be one of {', '.join(map(str, BLOCK_SIZES))}, not {self.block_size}")
+        BLOCK_SIZE.check(self.block_size)
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", f"must be in (0, 1], not {self.gpu_memory_utilization}")
         _check(self.swap_space_gib >= 0, "swap_space", f"must be >= 0 GiB, not {self.swap_space_gib}")
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0, "num_gpu_blocks_override", "must be positive")
         _check(self.cpu_kv_cache_space_gib > 0, "cpu_kv_cache_space", "must be positive")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+               f"must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
+        _check(self.calculate_kv_scales is None or self.kv_cache_dtype == "fp8", "calculate_kv_scales",
+               "applies only with kv_cache_dtype fp8 (the scales of an FP8 KV cache)")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
+    max_num_seqs: int = MAX_NUM_SEQS.default
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
-    policy: str = "fcfs"
+    preemption_mode: str = PREEMPTION_MODE.default
+    policy: str = SCHEDULER_POLICY.default
     max_queue_len: int | None = None
     priority_aging_s: float = 10.0  # priority: seconds of waiting worth one priority level (policies.py)
     fair_prompt_weight: float = 1.0  # fair: a prompt token's cost in a tenant's counter
@@ -77,10 +93,10 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        _check(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
-        _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be positive")
-        _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"must be one of {', '.join(PREEMPTION_MODES)}, not {self.preemption_mode!r}")
-        _check(self.policy in SCHEDULER_POLICIES, "scheduler_policy", f"must be one of {', '.join(SCHEDULER_POLICIES)}, not {self.policy!r}")
+        MAX_NUM_SEQS.check(self.max_num_seqs)
+        MAX_NUM_BATCHED_TOKENS.check(self.max_num_batched_tokens)
+        PREEMPTION_MODE.check(self.preemption_mode)
+        SCHEDULER_POLICY.check(self.policy)
         _check(self.max_queue_len is None or self.max_queue_len > 0, "max_queue_len", "must be positive")
         _check(self.priority_aging_s > 0, "priority_aging", f"must be a positive number of seconds, not {self.priority_aging_s}")
         _check(self.fair_prompt_weight > 0, "fair_prompt_weight", f"must be positive, not {self.fair_prompt_weight}")

@@ -24,6 +24,8 @@ PACKAGES = {"kvpilot.kernels": "kernels", "kvpilot.runtime": "runtime", "kvpilot
 
 # (layer, module prefixes it holds, layers it may import besides its own and those listed before it)
 RUNTIME_LAYERS: list[tuple[str, list[str]]] = [
+    # the live tunables, spelled once: the runtime and the operator both import it
+    ("tunables contract", ["kvpilot.runtime.tunables"]),
     ("kernels", ["kvpilot.kernels"]),
     ("runtime base", ["kvpilot.runtime.config", "kvpilot.runtime.arg_types", "kvpilot.runtime.args",
                       "kvpilot.runtime.sampling_params",
@@ -42,10 +44,11 @@ RUNTIME_LAYERS: list[tuple[str, list[str]]] = [
 ]
 # Products beside the runtime, with everything of kvpilot's they may import (besides themselves).
 SEPARATE: dict[str, tuple[list[str], set[str]]] = {
-    "operator": (["kvpilot.operator"], set()),  # runs without torch, in its own image
+    # runs without torch, in its own image; of the runtime it reads only the tunables' contract
+    "operator": (["kvpilot.operator"], {"tunables contract"}),
     # fleet simulations drive the operator's policies; `bench throughput` runs the offline engine and
     # `bench autotune` starts `kvpilot serve` with the runtime's own flag parser
-    "bench": (["kvpilot.bench"], {"operator", "runtime base", "front doors"}),
+    "bench": (["kvpilot.bench"], {"operator", "tunables contract", "runtime base", "front doors"}),
 }
 # Third-party packages a layer never imports (directly), and why.
 FORBIDDEN = {
@@ -53,6 +56,7 @@ FORBIDDEN = {
     # torch only in `bench throughput` (its copy-rate probe) and `bench startup` (writing a checkpoint)
     "bench": {"triton", "transformers"},
     "kernels": {"transformers"},
+    "tunables contract": {"torch", "triton", "transformers", "pydantic", "numpy"},  # plain Python
 }
 # Modules that must stay torch-free (their tests run with torch blocked).
 TORCH_FREE = ["kvpilot.runtime.sched.scheduler", "kvpilot.runtime.sched.block_manager",
@@ -201,6 +205,8 @@ def test_forbidden_third_party_imports() -> None:
     ("kvpilot.kernels.ops", "kvpilot.runtime.config", False),
     ("kvpilot.runtime.server.app", "kvpilot.runtime.llm", False),
     ("kvpilot.operator.reconcile", "kvpilot.runtime.config", False),
+    ("kvpilot.operator.spec", "kvpilot.runtime.tunables", True),
+    ("kvpilot.runtime.tunables", "kvpilot.runtime.config", False),
     ("kvpilot.bench.fleet", "kvpilot.operator.autoscale", True),
     ("kvpilot.runtime.llm", "kvpilot.runtime.engine.engine", True),
 ])

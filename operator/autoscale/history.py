@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..autotune.live_config import LiveConfig
+from kvpilot.runtime.tunables import LiveConfig
+
 from ..autotune.policy import Decision
 from ..timestamps import iso
 from .policy import ScaleDecision

@@ -13,10 +13,12 @@
 Imports neither torch nor kvpilot.runtime: pods are reached over HTTP only.
 """
 
+from kvpilot.runtime.tunables import LiveConfig
+
 from .admin import AdminClient, AdminError, AppliedConfig
 from .canary import CanaryJudgement, judge
 from .endpoint import PodEndpoint
-from .live_config import EngineLimits, LiveConfig
+from .engine_limits import EngineLimits
 from .outcomes import Estimate, Outcomes
 from .policy import Decision, decide
 from .sample import EngineSettings, Histogram, MetricsError, Sample, parse_metrics

@@ -18,8 +18,9 @@ from typing import Any
 
 import aiohttp
 
+from kvpilot.runtime.tunables import LiveConfig
+
 from .endpoint import PodEndpoint
-from .live_config import LiveConfig
 
 _RETRIED_STATUSES = {429, 500, 502, 503, 504}
 
@@ -114,6 +115,6 @@ def _live_config(endpoint: PodEndpoint, config: Any) -> LiveConfig:
     if not isinstance(config, dict):
         raise AdminError(endpoint.pod, f"the engine's config is not a JSON object: {config!r}")
     try:
-        return LiveConfig.from_engine(config)
+        return LiveConfig.from_json(config)
     except (ValueError, TypeError) as e:
         raise AdminError(endpoint.pod, f"the engine reported a config the operator cannot read: {e}") from None

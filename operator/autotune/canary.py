@@ -2,11 +2,25 @@
 all of them (promote), is undone (rollback), or needs more data (wait).
 
 The canary pod's window since the change is compared with a *baseline*: the other pods over the
-same span, or, with one replica, the canary's own window of the same length before the change.
-Both sides are judged per pod, on goodput (finished requests per second that met the TTFT
-target) and on P99 TTFT and ITL. A side with fewer than `min_requests` finished requests decides
-nothing: the canary waits, and rolls back once `timeout_s` has passed without enough traffic,
-since a change that cannot be shown to help is not worth keeping.
+same span (concurrent, so they met the same traffic over time), or, with one replica, the canary's
+own window of the same length before the change. Raw goodput is never compared: it follows the
+offered load, which differs between two windows of one pod and between pods that a Service
+happens to send different shares of its requests. Instead, on load-normalised figures:
+
+* both sides *saturated* (requests queued, or sequences preempted fast: `outcomes.saturated`):
+  each ran flat out, so its tokens per second (prompt plus generated, per pod) is its config's
+  capacity, whatever the load was. The canary rolls back when its capacity is lower by more than
+  `canary.tolerance`, and is promoted otherwise.
+* neither saturated, at a *comparable offered load* (finished requests per second per pod within
+  the load tolerance, the larger of twice `canary.tolerance` and 20%): the share of requests that
+  met the SLO's TTFT and the P99 TTFT and ITL are compared. The canary rolls back when its share
+  is lower by more than `tolerance` (absolute), or a P99 is higher by more than `tolerance`
+  (relative) with no gain in the share; it is promoted otherwise.
+* anything else — one side saturated and not the other, or loads too far apart — shows the load,
+  not the config: the canary waits for windows that compare, and rolls back at the timeout.
+A side with fewer than `min_requests` finished requests decides nothing either: the canary
+waits, and rolls back once `timeout_s` has passed, since a change that cannot be shown to help
+is not worth keeping.
 """
 
 from __future__ import annotations
@@ -15,12 +29,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .live_config import LiveConfig
+from kvpilot.runtime.tunables import LiveConfig
+
+from .outcomes import saturated
 from .signals import Signals, aggregate
 from .tuning_spec import TuningSpec
 from .window import WindowSummary
 
 Verdict = Literal["promote", "rollback", "wait"]
+MIN_LOAD_TOLERANCE = 0.2  # offered loads within this (relative) compare on latency and SLO share
 
 
 @dataclass(frozen=True)
@@ -50,7 +67,19 @@ def judge(canary: WindowSummary | None, baseline: Sequence[WindowSummary], targe
     if min(mine.num_requests, theirs.num_requests) < c.min_requests:
         return _wait_or_give_up(f"not enough requests: canary {mine.num_requests}, baseline "
                                 f"{theirs.num_requests}, {c.min_requests} needed on each side", timed_out, mine, theirs)
-    return _compare(mine, theirs, c.tolerance)
+    full = (saturated([canary], spec.thresholds), saturated(list(baseline), spec.thresholds))
+    if full == (True, True):
+        return _compare_capacity(mine, theirs, c.tolerance)
+    load = max(2 * c.tolerance, MIN_LOAD_TOLERANCE)
+    offered = f"{mine.requests_per_s:.3f} vs {theirs.requests_per_s:.3f} requests/s per pod"
+    if full != (False, False):
+        side = "the canary" if full[0] else "the baseline"
+        return _wait_or_give_up(f"only {side} ran at capacity ({offered}): the load differs, nothing compares",
+                                timed_out, mine, theirs)
+    if abs(mine.requests_per_s - theirs.requests_per_s) > load * max(theirs.requests_per_s, 1e-9):
+        return _wait_or_give_up(f"offered loads differ by more than {load:.0%} ({offered}): nothing compares",
+                                timed_out, mine, theirs)
+    return _compare_latency(mine, theirs, c.tolerance, offered)
 
 
 def _wait_or_give_up(why: str, timed_out: bool, mine: Signals | None, theirs: Signals | None) -> CanaryJudgement:
@@ -59,19 +88,26 @@ def _wait_or_give_up(why: str, timed_out: bool, mine: Signals | None, theirs: Si
     return CanaryJudgement("wait", why, mine, theirs)
 
 
-def _compare(mine: Signals, theirs: Signals, tolerance: float) -> CanaryJudgement:
-    goodput = f"goodput {mine.goodput_per_s:.3f}/s vs {theirs.goodput_per_s:.3f}/s"
-    if mine.goodput_per_s < theirs.goodput_per_s * (1 - tolerance):
-        return CanaryJudgement("rollback", f"{goodput}: lower by more than {tolerance:.0%}", mine, theirs)
-    gained = mine.goodput_per_s > theirs.goodput_per_s * (1 + tolerance)
+def _compare_capacity(mine: Signals, theirs: Signals, tolerance: float) -> CanaryJudgement:
+    rates = (f"both at capacity: {mine.tokens_per_s:.0f} vs {theirs.tokens_per_s:.0f} tokens/s per pod")
+    if mine.tokens_per_s < theirs.tokens_per_s * (1 - tolerance):
+        return CanaryJudgement("rollback", f"{rates}: lower by more than {tolerance:.0%}", mine, theirs)
+    return CanaryJudgement("promote", rates, mine, theirs)
+
+
+def _compare_latency(mine: Signals, theirs: Signals, tolerance: float, offered: str) -> CanaryJudgement:
+    share = f"SLO met by {mine.slo_share:.1%} vs {theirs.slo_share:.1%} of requests ({offered})"
+    if mine.slo_share < theirs.slo_share - tolerance:
+        return CanaryJudgement("rollback", f"{share}: lower by more than {tolerance:.0%}", mine, theirs)
+    gained = mine.slo_share > theirs.slo_share + tolerance
     pairs = {"TTFT": (mine.ttft_p99_s, theirs.ttft_p99_s), "ITL": (mine.itl_p99_s, theirs.itl_p99_s)}
     latencies = {name: f"P99 {name} {_seconds(m)} vs {_seconds(t)}" for name, (m, t) in pairs.items()}
     worse = [latencies[name] for name, (m, t) in pairs.items()
              if m is not None and t is not None and m > t * (1 + tolerance)]
     if worse and not gained:
         return CanaryJudgement("rollback", f"{'; '.join(worse)}: higher by more than {tolerance:.0%} "
-                                           f"with no goodput gain ({goodput})", mine, theirs)
-    return CanaryJudgement("promote", "; ".join([goodput, *latencies.values()]), mine, theirs)
+                                           f"with no gain in the SLO share ({share})", mine, theirs)
+    return CanaryJudgement("promote", "; ".join([share, *latencies.values()]), mine, theirs)
 
 
 def _seconds(value: float | None) -> str:

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from statistics import fmean
 from typing import Any
 
+from kvpilot.runtime.tunables import BLOCK_SIZE, PREEMPTION_MODE
+
 from .tuning_spec import EngineTarget, Thresholds
 from .window import WindowSummary
 
@@ -191,11 +193,11 @@ class Outcomes:
 
 
 def _target(config: EngineTarget) -> dict[str, Any]:
-    return {"blockSize": config.block_size, "preemptionMode": config.preemption_mode}
+    return {BLOCK_SIZE.camel: config.block_size, PREEMPTION_MODE.camel: config.preemption_mode}
 
 
 def _from_target(row: Mapping[str, Any]) -> EngineTarget:
-    return EngineTarget(int(row["blockSize"]), str(row["preemptionMode"]))
+    return EngineTarget(int(row[BLOCK_SIZE.camel]), str(row[PREEMPTION_MODE.camel]))
 
 
 def _order(config: EngineTarget) -> tuple[int, str]:

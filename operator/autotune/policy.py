@@ -48,7 +48,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .live_config import EngineLimits, LiveConfig
+from kvpilot.runtime.tunables import LiveConfig
+
+from .engine_limits import EngineLimits
 from .outcomes import Estimate, Switch
 from .signals import Signals, aggregate
 from .tuning_spec import EngineTarget, Thresholds, TuningSpec

@@ -29,8 +29,10 @@ class Signals:
     swap_bytes_per_s: float
     mean_context_tokens: float | None
     generation_tokens_per_s: float
+    tokens_per_s: float  # prompt plus generated: at capacity, the config's throughput
     requests_per_s: float  # finished
     goodput_per_s: float  # finished requests that met the TTFT target (all of them without one)
+    slo_share: float  # of the requests with a first token, those within the TTFT target (1 without one)
     num_requests: int  # finished, all pods
     ttft_p99_s: float | None
     itl_p99_s: float | None
@@ -52,8 +54,10 @@ def aggregate(summaries: Sequence[WindowSummary], slo: SloTargets) -> Signals:
         swap_bytes_per_s=fmean(s.swap_bytes_per_s for s in summaries),
         mean_context_tokens=fmean(contexts) if contexts else None,
         generation_tokens_per_s=fmean(s.generation_tokens_per_s for s in summaries),
+        tokens_per_s=fmean(s.prompt_tokens_per_s + s.generation_tokens_per_s for s in summaries),
         requests_per_s=fmean(s.e2e.count / s.duration_s for s in summaries),
         goodput_per_s=fmean(_goodput(s, slo) for s in summaries),
+        slo_share=1.0 if slo.ttft_p99_s is None or ttft.count == 0 else ttft.count_at_most(slo.ttft_p99_s) / ttft.count,
         num_requests=sum(s.num_requests for s in summaries),
         ttft_p99_s=ttft.quantile(0.99),
         itl_p99_s=Histogram.merge(s.itl for s in summaries).quantile(0.99),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .live_config import BLOCK_SIZES, PREEMPTION_MODES
+from kvpilot.runtime.tunables import BLOCK_SIZE, BLOCK_SIZES, PREEMPTION_MODE, PREEMPTION_MODES
 
 
 @dataclass(frozen=True)
@@ -23,10 +23,8 @@ class EngineTarget:
     preemption_mode: str
 
     def __post_init__(self) -> None:
-        if self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block_size: {self.block_size} is not one of {BLOCK_SIZES}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode: {self.preemption_mode!r} is not one of {PREEMPTION_MODES}")
+        BLOCK_SIZE.check(self.block_size)
+        PREEMPTION_MODE.check(self.preemption_mode)
 
 
 @dataclass(frozen=True)

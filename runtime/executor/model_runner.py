@@ -11,17 +11,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterator
 
 import torch
 
 from kvpilot.kernels import ops as kernel_ops
-from kvpilot.runtime.config import BLOCK_SIZES, EngineConfig
-from kvpilot.runtime.executor import kv_cache
+from kvpilot.kernels.reference import ReferenceOps
+from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.errors import RowsFailedError
+from kvpilot.runtime.executor import kv_cache, kv_scales
 from kvpilot.runtime.executor.batch import fill_pending, to_device, to_tensors
 from kvpilot.runtime.executor.cpu_linear import pack_linears
-from kvpilot.runtime.executor.cuda_graphs import DecodeGraphs, GraphsBySize, model_forward
+from kvpilot.runtime.executor.cuda_graphs import (
+    MAX_CAPTURE_SIZE,
+    DecodeGraphs,
+    GraphsBySize,
+    model_forward,
+)
 from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
 from kvpilot.runtime.executor.kv_cache import KVCacheLayout
 from kvpilot.runtime.executor.loader import load_model, resolve_dtype
@@ -35,10 +43,21 @@ from kvpilot.runtime.executor.sampler import (
 )
 from kvpilot.runtime.executor.swap import MAX_STAGING_BYTES, SwapSpace, SwapStats
 from kvpilot.runtime.startup import StartupLog
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+
+
+def _triton_cache_entries() -> int:
+    """Kernels in Triton's on-disk cache (one folder each): how many a phase compiled rather than
+    loaded, for the start-up record."""
+    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:
+        return len(os.listdir(folder))
+    except OSError:
+        return 0
 
 
 class ModelRunner:
@@ -63,16 +82,25 @@ class ModelRunner:
         self.layout = KVCacheLayout(
             block_size=config.cache.block_size, num_blocks=0, capacity_tokens=0,
             num_layers=self.model_config.num_layers, num_kv_heads=self.num_kv_heads,
-            head_dim=self.model_config.head_dim, dtype=self.dtype, device=str(self.device),
+            head_dim=self.model_config.head_dim, device=str(self.device),
+            dtype=kv_cache.cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device),
             head_major=self.device.type == "cuda",  # the decode kernel streams each (block, KV head) as one run
             swap_capacity_tokens=0)
         self.layout = dataclasses.replace(  # --swap-space GiB, per rank under tensor parallelism
             self.layout, swap_capacity_tokens=int(config.cache.swap_space_gib * GiB) // self.layout.bytes_per_token)
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists
+        # the largest step the device memory was sized for (CUDA: a larger one could run out of
+        # it); None where nothing was profiled
+        self.profiled_step_tokens: int | None = None
         self.swap_space: SwapSpace | None = None  # made once the KV cache exists
+        self.kv_scales_source: str | None = None  # where an FP8 cache's scales came from
+        if self.layout.dtype != self.dtype:  # FP8: the scales before any step writes the cache
+            with self.startup.phase("kv_scales") as settled:
+                self.kv_scales_source = settled["source"] = self._settle_kv_scales()
         with self.startup.phase("kv_profile") as profiled:  # a worst-case forward pass on CUDA (its first)
+            cached = _triton_cache_entries()
             num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
-            profiled["num_blocks"] = num_blocks
+            profiled.update(num_blocks=num_blocks, kernels_compiled=_triton_cache_entries() - cached)
         self.layout = dataclasses.replace(self.layout, num_blocks=num_blocks, capacity_tokens=num_blocks * self.block_size)
         with self.startup.phase("kv_alloc", bytes=num_blocks * self.bytes_per_block):
             # one allocation for the runner's life: a block-size change re-cuts it in place (kv_cache.py)
@@ -84,6 +112,9 @@ class ModelRunner:
             self.swap_space = SwapSpace(self.kv_caches, self.layout.swap_bytes,
                                         stacked=kv_cache.stacked_view(self._kv_storage, self.layout))
         self._graph_sets = GraphsBySize()
+        # the largest decode batch the graphs are captured for: the start's max_num_seqs, raised
+        # with it (`fit_decode_graphs`); the runner reads no live tunable from `config`
+        self._decode_batch = config.scheduler.max_num_seqs
         self._compiled: set[int] = set()  # block sizes whose kernel variants are compiled
         self._generators: dict[int, torch.Generator] = {}  # seeded sequences' own random streams
         self._sampled: torch.Tensor | None = None  # the latest step's sampled tokens, on the device
@@ -112,9 +143,11 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         sizes = self.allowed_block_sizes if self.tp.size > 1 else [self.block_size]
-        with self.startup.phase("kernels", block_sizes=sizes):
+        with self.startup.phase("kernels", block_sizes=sizes) as compiled:
+            cached = _triton_cache_entries()
             for size in sizes:
                 self._compile_kernels(size)
+            compiled["kernels_compiled"] = _triton_cache_entries() - cached
         if self._uses_graphs:
             with self.startup.phase("graphs") as captured:
                 self.graphs = self._graphs_for(self.block_size)
@@ -137,7 +170,10 @@ class ModelRunner:
                 continue
             graphs = self._new_graphs(size)
             while not graphs.complete:
-                if self._graph_sets.get(size) is not None:
+                # captured meanwhile by a live change, or for a smaller batch than max_num_seqs now asks
+                # (`fit_decode_graphs`): left to `_graphs_for`
+                if self._graph_sets.get(size) is not None or graphs.max_batch < min(self._decode_batch,
+                                                                                     MAX_CAPTURE_SIZE):
                     break
                 with torch.inference_mode():
                     graphs.capture_next(self._graph_sets.pool)
@@ -186,12 +222,15 @@ class ModelRunner:
                               seq_lens=[1], query_start_loc=[0, 1], logits_rows=[0])
             self._probe(wide, self._caches_for(bs), bs)
 
-    def _probe(self, inputs: StepInputs, caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
-        """One eager forward pass and its logits over `caches`, for what it leaves behind (peak
-        memory, compiled kernels), not for its results."""
+    def _probe(self, inputs: StepInputs, caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+               ops: kernel_ops.Ops | None = None) -> None:
+        """One eager forward pass and its logits over `caches` (with `ops`, else the runner's), for
+        what it leaves behind (peak memory, compiled kernels, the caches' contents), not for its
+        results."""
+        ops = ops or self.ops
         input_ids, positions, meta = to_tensors(inputs, self.device)
         with torch.inference_mode():
-            hidden = self.model(input_ids, caches, self.ops.plan(meta, positions, self.rope, block_size), self.ops)
+            hidden = self.model(input_ids, caches, ops.plan(meta, positions, self.rope, block_size), ops)
             self.model.compute_logits(hidden[inputs.logits_rows])
 
     def _graphs_for(self, block_size: int) -> DecodeGraphs | None:
@@ -211,8 +250,25 @@ class ModelRunner:
 
     def _new_graphs(self, block_size: int) -> DecodeGraphs:
         forward = model_forward(self.model, self._caches_for(block_size), self.rope, self.ops.for_graphs())
-        return DecodeGraphs(forward, self.config.scheduler.max_num_seqs,
-                            -(-self.config.model.max_model_len // block_size), self.device)
+        return DecodeGraphs(forward, self._decode_batch, -(-self.config.model.max_model_len // block_size),
+                            self.device)
+
+    def fit_decode_graphs(self, max_num_seqs: int) -> None:
+        """Decode graphs for batches of up to `max_num_seqs` (a live raise of the limit): every
+        captured block size's graphs are captured again for the larger batch, so its decode steps
+        replay a graph instead of running eagerly. A lower limit keeps the graphs (a smaller batch
+        pads into them)."""
+        if max_num_seqs <= self._decode_batch:
+            return
+        self._decode_batch = max_num_seqs  # graphs captured from now on hold it
+        if self.graphs is None or min(max_num_seqs, MAX_CAPTURE_SIZE) <= self.graphs.max_batch:
+            return
+        sizes = self._graph_sets.block_sizes
+        self.graphs, self._graph_sets = None, GraphsBySize()  # the old graphs and their pool go
+        torch.cuda.empty_cache()
+        for size in sorted(sizes, key=lambda s: s != self.block_size):  # the live size first
+            self._graphs_for(size)
+        self.graphs = self._graphs_for(self.block_size)
 
     @property
     def num_swap_blocks(self) -> int:
@@ -222,6 +278,27 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         return self.layout.bytes_per_block
+
+    def _settle_kv_scales(self) -> str:
+        """An FP8 cache's scales, settled as kv_scales.py says; where they came from."""
+        calculate = self.config.cache.calculate_kv_scales
+        if calculate or (calculate is None and not self.model.kv_scales_from_checkpoint):
+            n = min(kv_scales.CALIBRATION_TOKENS, self.config.model.max_model_len,
+                    self.config.scheduler.max_num_batched_tokens)
+            # the reference ops: the Triton kernels' variants for caches of the model's dtype, which
+            # serving never launches, would be compiled for this one pass
+            reference = ReferenceOps()
+            self.model.set_kv_scales(kv_scales.measure(
+                lambda step, caches: self._probe(step, caches, self.block_size, reference),
+                dataclasses.replace(self.layout, dtype=self.dtype), self.model_config.vocab_size, n,
+                self.config.model.seed))
+            source = f"measured on {n} calibration tokens"
+        else:
+            source = "from the checkpoint" if self.model.kv_scales_from_checkpoint else "1.0 (no calibration)"
+        scales = torch.stack([layer.kv_scales for layer in self.model.layers]).cpu()
+        logger.info("FP8 KV cache: scales %s, k %.3g..%.3g, v %.3g..%.3g", source, scales[:, 0].min(),
+                    scales[:, 0].max(), scales[:, 1].min(), scales[:, 1].max())
+        return source
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -244,6 +321,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         n = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
+        self.profiled_step_tokens = self.config.scheduler.max_num_batched_tokens
         self._forward_probe(n)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
@@ -357,12 +435,32 @@ class ModelRunner:
         if self.tp.size > 1:  # the other ranks need only the model's inputs
             self.tp.broadcast(("step", dataclasses.replace(inputs, sampling_rows=[], finished_seq_ids=[])))
         logits, prompt = self._run(inputs)
-        sampled = None
-        if logits is not None:
-            rows = inputs.sampling_rows
-            sampled = sample_on_device(logits, rows, [self._generator(row) for row in rows])
+        sampled = self._sample(logits, inputs.sampling_rows) if logits is not None else None
         self._sampled = sampled.token_ids if sampled is not None else None
         return sampled, prompt
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+        """Sample every row; where that fails on the host (a row's values: a seed or top-k no
+        generator or tensor holds), raise `RowsFailedError` naming the failing rows, found by
+        trying each alone with a throwaway generator, so no other row's random stream moves.
+        Device errors are not the request's: they propagate."""
+        try:
+            return sample_on_device(logits, rows, [self._generator(row) for row in rows])
+        except Exception as error:
+            if _is_device_error(error):
+                raise
+            failed: dict[int, str] = {}
+            for i, row in enumerate(rows):
+                try:
+                    probe = None if row.seed is None else torch.Generator(device=self.device).manual_seed(row.seed)
+                    sample_on_device(logits[i:i + 1], [row], [probe]).result()
+                except Exception as row_error:
+                    if _is_device_error(row_error):
+                        raise
+                    failed[row.seq_id] = f"{type(row_error).__name__}: {row_error}"
+            if not failed:
+                raise
+            raise RowsFailedError(failed) from error
 
     def _generator(self, row: SamplingRow) -> torch.Generator | None:
         """A seeded sequence's generator, made on its first sample: its draws then depend only on
@@ -393,3 +491,8 @@ class ModelRunner:
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast(("stop", None))
 
+
+def _is_device_error(error: BaseException) -> bool:
+    """An error of the device itself (out of memory, a failed kernel), not of one row's values."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(error, torch.cuda.OutOfMemoryError | accelerator_error) or "CUDA" in str(error)

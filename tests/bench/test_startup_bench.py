@@ -68,6 +68,9 @@ def test_startup_is_timed_warm_and_cold_from_the_engines_own_record(tmp_path: Pa
         assert phases["core", "core_imports"]["start_s"] < phases["api", "server_imports"]["start_s"] + \
             phases["api", "server_imports"]["seconds"]
         assert run["first_request_s"] > 0
+        # CPU time, the load-independent cost: each phase's within its process's, the processes' in the total
+        assert all(0 <= p["cpu_s"] for p in run["phases"])
+        assert 0 < sum(p["cpu_s"] for p in run["phases"]) <= run["cpu_s"] + 0.1
         assert run["after_ready"] is not None and run["after_ready"]["units"] >= 1  # the switch pass
     printed = capsys.readouterr().out
     assert "core:weights" in printed and "process start -> Ready" in printed and "GB/s cold" in printed

@@ -170,7 +170,7 @@ def test_a_restart_keeps_what_tuning_did_and_ends_the_canary_it_left(
         decisions = service.status().get("decisions") or []
         return next((d for d in decisions if d["reason"].startswith(("promoted", "rolled back"))), None)
     promoted = eventually(lambda: ended(pair), timeout=60, what="the two-pod canary judged by the new operator")
-    assert promoted["reason"].startswith(f"promoted from pod {canary_pod}: goodput"), promoted
+    assert promoted["reason"].startswith(f"promoted from pod {canary_pod}: both at capacity"), promoted
     assert all(e.settings == (8, "swap") for e in pair.engines.values())
     assert any(reason == "TuningPromoted" for reason, _ in pair.events())
     rolled_back = eventually(lambda: ended(alone), timeout=30, what="the lone canary rolled back")

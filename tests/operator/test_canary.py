@@ -1,4 +1,6 @@
-"""The canary judgement: promote, roll back, or wait for enough data, with the numbers recorded."""
+"""The canary judgement on synthetic windows: promote, roll back, or wait, on load-normalised
+figures only. A change of load during the canary, or an uneven spread of requests over the pods,
+promotes nothing (raw goodput, which follows the load, would have); a real gain is promoted."""
 
 from __future__ import annotations
 
@@ -10,52 +12,78 @@ from kvpilot.operator.autotune import CanarySpec, LiveConfig, SloTargets, Tuning
 
 TARGET = LiveConfig(8, "swap", 256, 2048)
 SPEC = TuningSpec(enabled=True, canary=CanarySpec(window_s=300, timeout_s=900, min_requests=100, tolerance=0.05))
+BUSY = {"num_waiting_seqs": 80.0}  # requests queue: the pod runs at capacity
 
 
-def canary(requests: int = 200, ttft: float = 0.05, itl: float = 0.02):  # type: ignore[no-untyped-def]
-    return summary("canary", duration_s=300.0, block_size=8, mode="swap", requests=requests, ttft=ttft, itl=itl)
+def canary(requests: int = 200, ttft: float = 0.05, itl: float = 0.02, **fields: float):  # type: ignore[no-untyped-def]
+    return summary("canary", duration_s=300.0, block_size=8, mode="swap", requests=requests, ttft=ttft, itl=itl,
+                   **fields)
 
 
-def others(n: int = 2, requests: int = 200, ttft: float = 0.05, itl: float = 0.02):  # type: ignore[no-untyped-def]
-    return [summary(f"pod-{i}", duration_s=300.0, requests=requests, ttft=ttft, itl=itl) for i in range(n)]
+def others(n: int = 2, requests: int = 200, ttft: float = 0.05, itl: float = 0.02, **fields: float):  # type: ignore[no-untyped-def]
+    return [summary(f"pod-{i}", duration_s=300.0, requests=requests, ttft=ttft, itl=itl, **fields) for i in range(n)]
 
 
-def test_a_canary_as_good_as_the_others_is_promoted_with_its_numbers() -> None:
+def before(requests: int = 200, ttft: float = 0.05, **fields: float):  # type: ignore[no-untyped-def]
+    """A lone replica's own window before the change."""
+    return [summary("canary", duration_s=300.0, block_size=16, mode="recompute", requests=requests, ttft=ttft,
+                    **fields)]
+
+
+def test_a_canary_as_good_as_the_others_at_the_same_load_is_promoted_with_its_numbers() -> None:
     j = judge(canary(), others(), TARGET, SPEC, elapsed_s=300)
     assert j.verdict == "promote"
-    assert j.reason.startswith("goodput 0.667/s vs 0.667/s; P99 TTFT 0.060 s vs 0.060 s; P99 ITL 0.020 s vs 0.020 s")
+    assert j.reason == ("SLO met by 100.0% vs 100.0% of requests (0.667 vs 0.667 requests/s per pod); "
+                        "P99 TTFT 0.060 s vs 0.060 s; P99 ITL 0.020 s vs 0.020 s")
     assert j.canary is not None and j.baseline is not None and j.baseline.num_pods == 2
 
 
-def test_lower_goodput_rolls_back() -> None:
-    j = judge(canary(requests=150), others(), TARGET, SPEC, elapsed_s=300)
-    assert j.verdict == "rollback"
-    assert j.reason == "goodput 0.500/s vs 0.667/s: lower by more than 5%"
-
-
-def test_a_higher_p99_without_a_goodput_gain_rolls_back() -> None:
+def test_a_higher_p99_at_the_same_load_rolls_back() -> None:
     j = judge(canary(ttft=0.5), others(), TARGET, SPEC, elapsed_s=300)
     assert j.verdict == "rollback"
-    assert "P99 TTFT 0.497 s vs 0.060 s: higher by more than 5% with no goodput gain" in j.reason
+    assert j.reason.startswith("P99 TTFT 0.497 s vs 0.060 s: higher by more than 5% with no gain in the SLO share")
 
 
-def test_a_higher_p99_is_accepted_for_a_goodput_gain() -> None:
-    assert judge(canary(requests=300, itl=0.05), others(), TARGET, SPEC, elapsed_s=300).verdict == "promote"
-
-
-def test_goodput_counts_only_requests_within_the_ttft_target() -> None:
+def test_a_lower_slo_share_rolls_back() -> None:
     spec = dataclasses.replace(SPEC, slo=SloTargets(ttft_p99_s=1.0))
-    j = judge(canary(requests=300, ttft=2.0), others(), TARGET, spec, elapsed_s=300)
-    assert j.verdict == "rollback" and j.reason.startswith("goodput 0.000/s vs 0.667/s")
+    j = judge(canary(ttft=2.0), others(), TARGET, spec, elapsed_s=300)
+    assert j.verdict == "rollback" and j.reason.startswith("SLO met by 0.0% vs 100.0% of requests")
 
 
-def test_the_others_are_compared_per_pod() -> None:
-    assert judge(canary(), others(n=5), TARGET, SPEC, elapsed_s=300).verdict == "promote"
+def test_an_uneven_spread_of_requests_over_the_pods_promotes_nothing() -> None:
+    """The Service sent the canary twice its share: twice the goodput per pod (what the old rule
+    promoted on), the same config, nothing to conclude; at the timeout it rolls back."""
+    j = judge(canary(requests=400), others(), TARGET, SPEC, elapsed_s=300)
+    assert j.verdict == "wait"
+    assert j.reason == "offered loads differ by more than 20% (1.333 vs 0.667 requests/s per pod): nothing compares"
+    assert judge(canary(requests=400), others(), TARGET, SPEC, elapsed_s=900).verdict == "rollback"
 
 
-def test_a_lone_replica_is_compared_with_its_own_window_before_the_change() -> None:
-    before = summary("canary", duration_s=300.0, block_size=16, mode="recompute", requests=200, ttft=0.5)
-    j = judge(canary(ttft=0.05), [before], TARGET, SPEC, elapsed_s=400)
+def test_a_burst_ending_during_a_lone_canary_promotes_nothing() -> None:
+    """Before the change the replica was swamped (a queue, SLO missed), after it the burst is
+    over: every figure looks better, and none of it is the config's doing."""
+    spec = dataclasses.replace(SPEC, slo=SloTargets(ttft_p99_s=1.0))
+    swamped = before(requests=900, ttft=4.0, **BUSY)
+    j = judge(canary(requests=200, ttft=0.05), swamped, TARGET, spec, elapsed_s=400)
+    assert j.verdict == "wait" and j.reason.startswith("only the baseline ran at capacity")
+    # and a burst starting on the canary blames it for nothing either
+    j = judge(canary(requests=900, ttft=4.0, **BUSY), before(), TARGET, spec, elapsed_s=400)
+    assert j.verdict == "wait" and j.reason.startswith("only the canary ran at capacity")
+
+
+def test_a_real_gain_at_capacity_is_promoted_and_a_loss_rolled_back_whatever_the_load() -> None:
+    """Both at capacity: tokens/s is each config's throughput, comparable across a lone
+    replica's two windows even though they served different request counts."""
+    faster = canary(requests=300, prompt_tokens_per_s=130.0, generation_tokens_per_s=65.0, **BUSY)
+    j = judge(faster, before(requests=250, **BUSY), TARGET, SPEC, elapsed_s=400)
+    assert j.verdict == "promote" and j.reason == "both at capacity: 195 vs 150 tokens/s per pod"
+    slower = canary(requests=300, prompt_tokens_per_s=80.0, generation_tokens_per_s=40.0, **BUSY)
+    j = judge(slower, others(**BUSY), TARGET, SPEC, elapsed_s=300)
+    assert j.verdict == "rollback" and j.reason == "both at capacity: 120 vs 150 tokens/s per pod: lower by more than 5%"
+
+
+def test_a_real_latency_gain_at_a_comparable_load_is_promoted() -> None:
+    j = judge(canary(requests=210, ttft=0.05), before(requests=200, ttft=0.5), TARGET, SPEC, elapsed_s=400)
     assert j.verdict == "promote" and "P99 TTFT 0.060 s vs 0.497 s" in j.reason
 
 

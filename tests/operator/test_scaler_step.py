@@ -15,11 +15,12 @@ SPEC = ScalingSpec(enabled=True, metric="kvCacheUsage", target=0.5, max_replicas
                    behavior=Behavior(scale_down=dataclasses.replace(SCALE_DOWN, stabilization_window_s=0)))
 
 
-def inputs(kv: float, waiting: float = 0.0, replicas: int = 2, coordination: Coordination = Coordination(),
+def inputs(kv: float, waiting: float = 0.0, replicas: int = 2, coordination: Coordination | None = None,
            now: float = 1000.0) -> ScalingInputs:
     pods = {p: dataclasses.replace(summary(p), kv_cache_usage=kv, num_waiting_seqs=waiting,
-                                 num_requests_waiting=waiting) for p in ("a", "b")}
-    return ScalingInputs(now, SPEC, replicas, pods, {p: "ready" for p in pods}, coordination, dwell_s=60)
+                                  num_requests_waiting=waiting) for p in ("a", "b")}
+    return ScalingInputs(now, SPEC, replicas, pods, {p: "ready" for p in pods}, coordination or Coordination(),
+                         dwell_s=60)
 
 
 def test_a_scale_up_is_a_write_an_event_and_a_record_and_marks_the_coordination() -> None:

@@ -29,6 +29,9 @@ def test_other_block_sizes_are_prepared_between_steps_and_replayed_after_a_switc
               gpu_memory_utilization=0.2)
     engine, runner = llm.engine, llm.engine.runner
     assert runner.captured_block_sizes == [16] and engine.warm_up.pending
+    phases = {p.name: p for p in engine.startup.phases}
+    assert phases["graphs"].details == {"batch_sizes": 4, "block_sizes": [16]}  # 1, 2, 4 and 8 (max_num_seqs)
+    assert phases["kernels"].details["block_sizes"] == [16] and phases["kernels"].details["kernels_compiled"] >= 0
     rng = random.Random(5)
     batch = [[rng.randrange(256) for _ in range(n)] for n in (5, 40, 120, 17)]
     params = SamplingParams(temperature=0, max_tokens=24)

@@ -127,3 +127,14 @@ def test_eos_ids_read_from_the_files_equal_the_loaded_tokenizers(smol_folder: st
     shutil.copytree(smol_folder, folder, ignore=shutil.ignore_patterns("*.safetensors"))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert eos_token_ids(str(folder)) == Tokenizer(str(folder)).eos_token_ids
+
+
+def test_kvpilot_serve_imports_no_other_subcommand() -> None:
+    code = ("import sys; from kvpilot.runtime.cli import build_parser; build_parser('serve');"
+            "print(sorted(m for m in ('kvpilot.operator.cli', 'kvpilot.bench.cli', 'pydantic', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"}).stdout.strip()
+    assert out == "[]"
+    usage = subprocess.run([sys.executable, "-m", "kvpilot.runtime.cli", "--help"], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONSAFEPATH": "1"}).stdout
+    assert all(name in usage for name in ("serve", "bench", "operator", "generate"))

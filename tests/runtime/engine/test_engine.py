@@ -125,7 +125,8 @@ def test_block_size_change_mid_generation_keeps_outputs(tiny_models, async_sched
         if step == 5:
             applied = engine.update_config({"block_size": 8, "max_num_seqs": 2, "scheduler_policy": "fcfs"})
             assert applied == {"block_size": {"old": 16, "new": 8}, "max_num_seqs": {"old": 256, "new": 2}}
-            assert engine.block_manager.block_size == 8
+            assert engine.block_manager.block_size == engine.runner.block_size == engine.config.cache.block_size == 8
+            assert engine.config.scheduler.max_num_seqs == engine.scheduler.config.max_num_seqs == 2
             report = engine.last_relayout  # every running sequence kept its KV: nothing recomputed
             assert report is not None and report.preempted == [] and report.num_running_kept == 3
             parts = (report.plan_ms, report.wait_ms, report.copy_ms, report.swap_ms, report.rebuild_ms)

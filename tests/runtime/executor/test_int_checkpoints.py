@@ -4,7 +4,6 @@ de-quantised weights; the flag and the checkpoint must agree; dummy int4 weights
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from kvpilot.runtime.args import EngineArgs
 from kvpilot.runtime.executor.loader import load_model
 from kvpilot.runtime.executor.quant.base import Linear
 from kvpilot.runtime.executor.quant.int_writer import IntFormat, write_int_checkpoint
+from kvpilot.runtime.executor.quant.methods import linear_methods
 from kvpilot.runtime.quantization import QuantizationMismatchError
 
 # the tiny models' sizes (hidden 64, intermediate 160) take groups of 32
@@ -112,23 +112,19 @@ def test_int4_flag_on_a_plain_checkpoint_is_refused(tiny_models) -> None:
         EngineArgs(model=tiny_models["llama"][0], quantization="awq").create_engine_config()
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("version", "gemv", "AWQ version 'gemv' is not served"),
-    ("bits", 3, "AWQ bits 3 is not served"),
-    ("zero_point", False, "without zero points"),
+@pytest.mark.parametrize("method,field,value,message", [
+    ("awq", "version", "gemv", "AWQ version 'gemv' is not served"),
+    ("awq", "bits", 3, "AWQ bits 3 is not served"),
+    ("awq", "zero_point", False, "without zero points"),
+    ("gptq", "bits", 2, "GPTQ bits 2 is not served"),
+    ("gptq", "checkpoint_format", "marlin", "checkpoint_format 'marlin' is not served"),
+    ("gptq", "lm_head", True, "quantized LM head"),
 ])
-def test_awq_configs_kvpilot_cannot_serve_are_refused(field: str, value: object, message: str, checkpoints,
-                                                       tmp_path: Path) -> None:
-    folder = tmp_path / "awq"
-    folder.mkdir()
-    for path in checkpoints["awq"].iterdir():
-        (folder / path.name).symlink_to(path)
-    config = json.loads((checkpoints["awq"] / "config.json").read_text())
-    config["quantization_config"][field] = value
-    (folder / "config.json").unlink()
-    (folder / "config.json").write_text(json.dumps(config))
+def test_configs_kvpilot_cannot_serve_are_refused_naming_the_field(method: str, field: str, value: object,
+                                                                   message: str) -> None:
+    config = {**FORMATS[method].quantization_config(), field: value}
     with pytest.raises(ValueError, match=message):
-        LLM(str(folder), max_model_len=64)
+        linear_methods(method, {"quantization_config": config})
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])

@@ -38,9 +38,9 @@ def test_a_missing_or_empty_file_changes_nothing(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("content", "problem"), [
     ("{not json", "is not JSON"),
     ("[8]", "must hold a JSON object"),
-    ('{"swap_space": 4}', "sets swap_space; only"),
-    ('{"block_size": 12}', "sets block_size to 12"),
-    ('{"max_num_seqs": true}', "sets max_num_seqs to True"),
+    ('{"swap_space": 4}', "swap_space: not a live tunable"),
+    ('{"block_size": 12}', "block_size: must be one of 8, 16, 32, 64, not 12"),
+    ('{"max_num_seqs": true}', "max_num_seqs: expected an integer from 1 to 65536, got True"),
 ])
 def test_a_bad_file_is_refused_naming_the_flag(tmp_path: Path, content: str, problem: str) -> None:
     path = tmp_path / "tuned.json"

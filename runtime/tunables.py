@@ -1,0 +1,126 @@
+"""The live tunables: the one place that names them, spells them on every wire, bounds them and
+checks a value. The runtime (its flags, `--tuned-config`, `POST /admin/config`, the engine's
+`update_config`) and the operator (the CRD's spec, status.tuning, the tuned ConfigMap, the
+autotuner) both read this table; the CRD's enums and defaults are checked against it by a test.
+Plain Python only: the operator imports it without torch.
+
+| name (JSON, `LLM(...)`) | flag | CRD (camelCase) | values | default |
+| --- | --- | --- | --- | --- |
+| `block_size` | `--block-size` | `blockSize` | 8, 16, 32, 64 | 16 |
+| `preemption_mode` | `--preemption-mode` | `preemptionMode` | recompute, swap | recompute |
+| `max_num_seqs` | `--max-num-seqs` | `maxNumSeqs` | 1 to 65,536 | 256 |
+| `max_num_batched_tokens` | `--max-num-batched-tokens` | `maxNumBatchedTokens` | 1 to 1,048,576 | 2048 (at least max_model_len without chunked prefill) |
+| `scheduler_policy` | `--scheduler-policy` | `schedulerPolicy` | fcfs, fair, priority | fcfs |
+
+Adding a tunable: a `Tunable` here, its field in `LiveConfig` (a test checks the two agree), and
+its implementation in the engine (`LLMEngine.update_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Tunable:
+    name: str  # the JSON name of GET/POST /admin/config and --tuned-config, and the LLM(...) keyword
+    camel: str  # the CRD's (spec.engine, status.tuning)
+    kind: type  # int or str
+    choices: tuple[Any, ...] | None = None  # the value set, or
+    minimum: int | None = None  # the bounds of an integer
+    maximum: int | None = None
+    default: Any = None  # None: resolved at start (max_num_batched_tokens: from the context length)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def check(self, value: Any) -> Any:
+        """`value` when it is valid; otherwise ValueError naming the tunable and the rule."""
+        if type(value) is not self.kind:  # bool is an int subclass: never a valid integer here
+            raise ValueError(f"{self.name}: expected {self.rule}, got {value!r}")
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{self.name}: must be {self.rule}, not {value!r}")
+        if isinstance(value, int) and ((self.minimum is not None and value < self.minimum)
+                                       or (self.maximum is not None and value > self.maximum)):
+            raise ValueError(f"{self.name}: must be {self.rule}, not {value!r}")
+        return value
+
+    @property
+    def rule(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(map(str, self.choices))
+        kind = "an integer" if self.kind is int else "a string"
+        if self.minimum is not None and self.maximum is not None:
+            return f"{kind} from {self.minimum} to {self.maximum}"
+        return kind if self.minimum is None else f"{kind} >= {self.minimum}"
+
+
+BLOCK_SIZE = Tunable("block_size", "blockSize", int, choices=(8, 16, 32, 64), default=16)
+PREEMPTION_MODE = Tunable("preemption_mode", "preemptionMode", str, choices=("recompute", "swap"),
+                          default="recompute")
+SCHEDULER_POLICY = Tunable("scheduler_policy", "schedulerPolicy", str, choices=("fcfs", "fair", "priority"),
+                           default="fcfs")
+MAX_NUM_SEQS = Tunable("max_num_seqs", "maxNumSeqs", int, minimum=1, maximum=65536, default=256)
+MAX_NUM_BATCHED_TOKENS = Tunable("max_num_batched_tokens", "maxNumBatchedTokens", int, minimum=1, maximum=1 << 20)
+
+TUNABLES: tuple[Tunable, ...] = (BLOCK_SIZE, PREEMPTION_MODE, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS,
+                                 SCHEDULER_POLICY)
+BY_NAME: Mapping[str, Tunable] = {t.name: t for t in TUNABLES}
+BLOCK_SIZES: tuple[int, ...] = BLOCK_SIZE.choices  # type: ignore[assignment]
+PREEMPTION_MODES: tuple[str, ...] = PREEMPTION_MODE.choices  # type: ignore[assignment]
+SCHEDULER_POLICIES: tuple[str, ...] = SCHEDULER_POLICY.choices  # type: ignore[assignment]
+
+
+def check_changes(changes: Mapping[str, Any]) -> dict[str, Any]:
+    """A set of tunables by name (a `POST /admin/config` body, a `--tuned-config` file), each
+    checked; ValueError names the first unknown name or bad value."""
+    unknown = sorted(set(changes) - set(BY_NAME))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not a live tunable (tunables: {', '.join(BY_NAME)})")
+    return {name: BY_NAME[name].check(value) for name, value in changes.items()}
+
+
+@dataclass(frozen=True)
+class LiveConfig:
+    """Every live tunable's value: what `GET /admin/config` reports and the operator tunes."""
+
+    block_size: int
+    preemption_mode: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    scheduler_policy: str = SCHEDULER_POLICY.default
+
+    def __post_init__(self) -> None:
+        check_changes(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, values: Mapping[str, Any]) -> LiveConfig:
+        """From the JSON names (an engine's `GET /admin/config` may carry more: they are left out)."""
+        try:
+            return cls(**{t.name: values[t.name] for t in TUNABLES})
+        except KeyError as e:
+            raise ValueError(f"{e.args[0]}: missing from {dict(values)}") from None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_status(self) -> dict[str, Any]:
+        """The CRD's spelling (status.tuning.config)."""
+        return {t.camel: getattr(self, t.name) for t in TUNABLES}
+
+    @classmethod
+    def from_status(cls, values: Mapping[str, Any] | None) -> LiveConfig | None:
+        """What `to_status` wrote; None for a missing or unreadable one."""
+        try:
+            return cls(**{t.name: (values or {})[t.camel] for t in TUNABLES})
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def changes_to(self, target: LiveConfig) -> dict[str, Any]:
+        """The body of the `POST /admin/config` that turns this config into `target`."""
+        mine = self.to_json()
+        return {name: value for name, value in target.to_json().items() if mine[name] != value}
