@@ -17,7 +17,7 @@ export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 shim=$(mktemp -d)
 mkdir -p "$shim/kvpilot"
 for c in runtime kernels operator bench; do ln -s "$PWD/$c" "$shim/kvpilot/$c"; done
-export PYTHONPATH="$shim"
+export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"  # wheels carried on PYTHONPATH stay importable
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 # run_step LIMIT_SECONDS ...: the command under a time cap; a cap of 0 skips the step
 run_step() {

@@ -16,6 +16,7 @@ from typing import Any
 from kvpilot.runtime.arg_types import fraction, non_negative_float, positive_float, positive_int
 from kvpilot.runtime.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATION_METHODS,
     CacheConfig,
@@ -53,6 +54,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     cpu_kv_cache_space: float = 1.0  # GiB of KV cache when running on the CPU
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: float8 e4m3, per-layer scales
+    calculate_kv_scales: bool | None = None  # fp8: None measures them when the checkpoint has none
     enable_prefix_caching: bool = False
     max_num_seqs: int = MAX_NUM_SEQS.default
     max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len without chunking
@@ -108,6 +111,8 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             cpu_kv_cache_space_gib=self.cpu_kv_cache_space,
+            kv_cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -211,6 +216,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=fraction, default=d.gpu_memory_utilization)
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None)
     g.add_argument("--cpu-kv-cache-space", type=non_negative_float, default=d.cpu_kv_cache_space, help="GiB of KV cache on the CPU")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="auto: the model's dtype; fp8: float8 e4m3 with a k and a v scale per layer (the "
+                        "checkpoint's, else measured at start: see --calculate-kv-scales), twice the tokens "
+                        "of bf16 in the same memory")
+    g.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=d.calculate_kv_scales,
+                   help="with --kv-cache-dtype fp8: measure each layer's k and v scales at start from a "
+                        "calibration prefill, even over the checkpoint's (--no-calculate-kv-scales: the "
+                        "checkpoint's, else 1.0; default: measure only when the checkpoint has none)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse the KV blocks of prompt prefixes already computed (full blocks, matched by "
                         "chained SHA-256 digests of their tokens)")

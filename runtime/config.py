@@ -22,6 +22,8 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --quantization methods (`auto`, the flag's default, resolves to one of these or none: quantization.py)
 QUANTIZATION_METHODS = ("fp8", "awq", "gptq")
+# what the KV cache holds: auto, the model's dtype; fp8, float8 e4m3 with per-layer k and v scales
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def _check(condition: bool, name: str, message: str) -> None:
@@ -57,6 +59,10 @@ class CacheConfig:
     enable_prefix_caching: bool = False
     # KV budget when running on the CPU, where there is no device memory to profile.
     cpu_kv_cache_space_gib: float = 1.0
+    kv_cache_dtype: str = "auto"
+    # fp8: measure the scales at start (True), never (False: the checkpoint's, else 1.0), or only
+    # when the checkpoint has none (None); executor/kv_scales.py
+    calculate_kv_scales: bool | None = None
 
     def __post_init__(self) -> None:
         BLOCK_SIZE.check(self.block_size)
@@ -64,6 +70,10 @@ class CacheConfig:
         _check(self.swap_space_gib >= 0, "swap_space", f"must be >= 0 GiB, not {self.swap_space_gib}")
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0, "num_gpu_blocks_override", "must be positive")
         _check(self.cpu_kv_cache_space_gib > 0, "cpu_kv_cache_space", "must be positive")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+               f"must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
+        _check(self.calculate_kv_scales is None or self.kv_cache_dtype == "fp8", "calculate_kv_scales",
+               "applies only with kv_cache_dtype fp8 (the scales of an FP8 KV cache)")
 
 
 @dataclass(frozen=True)

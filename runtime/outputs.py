@@ -27,7 +27,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (see RequestOutput.error)
     stop_reason: int | str | None = None  # the stop string or token id that ended it
 
     @property
@@ -54,3 +54,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # when `SamplingParams.prompt_logprobs` asks
+    error: str | None = None  # why the engine ended this request alone (its samples end with "error")

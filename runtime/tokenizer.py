@@ -8,6 +8,7 @@ replacement character until the next token completes it.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,22 @@ class Tokenizer:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         return set([eos] if isinstance(eos, int) else (eos or []))
 
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for, where that bounds a text's token
+        count from below (a vocabulary without a normalizer, as byte-level BPE: the tokens' bytes
+        make up the text's); None where a normalizer may shrink the text first."""
+        if self.hf.backend_tokenizer.normalizer is not None:
+            return None
+        vocab = self.hf.convert_ids_to_tokens(list(range(len(self.hf))))
+        return max((len(t.encode()) for t in vocab if t), default=1)
+
+    def min_num_tokens(self, text: str) -> int:
+        """At least this many tokens encode `text` (0 where no bound is known): a prompt beyond the
+        context is refused from its length alone, before the work of tokenizing it."""
+        chars = self.max_token_chars
+        return len(text) // chars if chars else 0
+
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text))
 
@@ -51,7 +68,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: str | None = None, **kwargs: Any) -> str:
         if chat_template is None and not getattr(self.hf, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; pass chat_template or use completions")
+            raise ValueError("this model's tokenizer has no chat template; use completions (or pass chat_template "
+                             "to a server started with --trust-request-chat-template)")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template, **kwargs)
         return str(text)
@@ -112,6 +130,20 @@ def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
     """The tokenizer of `config`'s model, or None for a model without one."""
     folder = config.model.tokenizer
     return Tokenizer(folder) if folder else None
+
+
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """Raises `RequestError` for a prompt the engine cannot take: empty, leaving no room in the
+    context for a generated token, or with a token id outside the vocabulary."""
+    if not token_ids:
+        raise RequestError("the prompt is empty")
+    if len(token_ids) >= max_model_len:
+        raise RequestError(
+            f"the prompt has {len(token_ids)} tokens; this model's maximum context length is {max_model_len} "
+            "tokens, which must also leave room for at least one generated token")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
 
 
 def encode_prompt(tokenizer: Tokenizer | None, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -1,20 +1,15 @@
-"""The engine core of `kvpilot serve`: the step loop in its own process, and the messages it
-exchanges with the API process.
+"""The engine core of `kvpilot serve`: the step loop in its own process.
 
 The API process (HTTP, chat templates, tokenising, detokenising, streaming) and the core (schedule,
-run, sample) share no GIL. They talk over two ZeroMQ sockets on local IPC paths, one per
-direction, with msgspec's MessagePack encoding of the small structs below: token ids in, token
-ids out, never a pickled object on the hot path. The core batches what one step produced into
-one `CoreOutputs` message: for each request touched, each sample's *new* token ids, its finish
-reason and, when asked, the logprobs of those tokens (and the prompt's new logprob entries);
-plus the step's stats and a snapshot of the scheduler and KV cache for `/health` and `/metrics`.
-Commands (add, abort, finish samples, utility calls) are applied between steps; admissions are
-acknowledged at once, before the next step, so a bad request is refused before its HTTP
-response starts.
+run, sample) share no GIL; they exchange the messages of messages.py. The core's busy loop, as
+vLLM's: (1) take the commands that came (waiting for one while idle), (2) step the engine, (3) send
+what the step produced.
 
 The core runs `LLMEngine` with `detokenize = False`: the API process turns tokens into text and
-ends a sample at a stop string (telling the core with `FinishSeqs`). It exits when told to, when
-its step loop raises (after sending `CoreDead` with the reason), or when the API process is gone.
+ends a sample at a stop string (telling the core with `FinishSeqs`). A request that fails on its
+own values ends alone (the engine's `RequestOutput.error`, sent as `RequestDelta.error`); a
+command that cannot be read is dropped with a log line. The core exits when told to, when its step
+loop raises (after sending `CoreDead` with the reason), or when the API process is gone.
 """
 
 from __future__ import annotations
@@ -23,151 +18,49 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvpilot.runtime.sched.sequence import DEFAULT_TENANT
+from kvpilot.runtime.engine.messages import (
+    AbortRequests,
+    Ack,
+    AddRequests,
+    CoreDead,
+    CoreInput,
+    CoreOutputs,
+    EngineSnapshot,
+    FinishSeqs,
+    QueueFullError,
+    Ready,
+    RequestDelta,
+    SeqDelta,
+    Shutdown,
+    StepStatsMsg,
+    UtilityCall,
+    UtilityResult,
+    error_kind,
+)
+from kvpilot.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine is built in the core process only: its module imports torch
+    from kvpilot.runtime.config import EngineConfig
+    from kvpilot.runtime.engine.engine import LLMEngine, StepStats
+    from kvpilot.runtime.engine.warm_up import WarmUp
+    from kvpilot.runtime.sched.sequence import Request
 
 logger = logging.getLogger(__name__)
 
 
-# ---- API process -> core ----------------------------------------------------------------------
-
-class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: dict[str, Any]  # SamplingParams' constructor arguments
-    arrival_time: float
-    priority: int = 0
-    tenant: str = DEFAULT_TENANT  # whom it is served for (the fair policy, per-tenant metrics)
-
-
-class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
-    request_ids: list[str]
-
-
-class FinishSeqs(msgspec.Struct, tag="finish", array_like=True):
-    """Samples the API process ended at a stop string: free their blocks."""
-
-    request_id: str
-    indices: list[int]
-
-
-class UtilityCall(msgspec.Struct, tag="call", array_like=True):
-    call_id: int
-    method: str  # one of UTILITIES
-    args: list[Any]
-
-
-class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
-    pass
-
-
-CoreInput = AddRequest | AbortRequests | FinishSeqs | UtilityCall | Shutdown
-
-
-# ---- core -> API process ----------------------------------------------------------------------
-
-class EngineSnapshot(msgspec.Struct, frozen=True, array_like=True):
-    """The scheduler's and KV cache's state after the latest step or command."""
-
-    num_requests: int = 0
-    num_waiting_requests: int = 0  # admitted, never scheduled yet
-    num_running_seqs: int = 0
-    num_waiting_seqs: int = 0
-    num_swapped_seqs: int = 0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-    kv_cache_usage: float = 0.0
-    block_size: int = 0
-    preemption_mode: str = "recompute"
-    enable_prefix_caching: bool = False
-    waiting_requests_by_tenant: dict[str, int] = {}  # requests waiting or swapped out, per tenant
-    warming_up: bool = False  # start-up work left for after Ready still runs (engine/warm_up.py)
-
-
-class StepStatsMsg(msgspec.Struct, array_like=True):
-    duration_s: float
-    num_batched_tokens: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_preemptions: int
-    num_swapped_out: int
-    swap_out_bytes: int
-    swap_in_bytes: int
-    swap_out_seconds: float = 0.0  # device time of the swap copies that completed
-    swap_in_seconds: float = 0.0
-    served_tokens: dict[str, list[int]] = {}  # tenant -> [prompt tokens, generated tokens] this step
-
-
-class SeqDelta(msgspec.Struct, array_like=True):
-    index: int
-    token_ids: list[int]  # new since the last message
-    # per new token: [(token id, logprob, rank), ...], the sampled token first; None unless asked
-    logprobs: list[list[tuple[int, float, int]]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | None = None  # the stop token id that ended it
-
-
-class RequestDelta(msgspec.Struct, array_like=True):
-    request_id: str
-    seqs: list[SeqDelta]
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    last_token_time: float | None
-    finished_time: float | None
-    num_cached_tokens: int
-    finished: bool
-    # prompt logprobs asked: the entries new since the last message, as SeqDelta.logprobs' (the
-    # first prompt token, which has none, is not sent)
-    prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
-
-
-class Ack(msgspec.Struct, array_like=True):
-    request_id: str
-    error: str | None = None  # an error kind of ERRORS; None: admitted
-    message: str = ""
-
-
-class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
-    outputs: list[RequestDelta]
-    snapshot: EngineSnapshot
-    stats: StepStatsMsg | None = None
-    acks: list[Ack] = []
-
-
-class UtilityResult(msgspec.Struct, tag="result", array_like=True):
-    call_id: int
-    value: Any = None
-    error: str | None = None
-    message: str = ""
-
-
-class Ready(msgspec.Struct, tag="ready", array_like=True):
-    snapshot: EngineSnapshot
-    pid: int
-    startup: list[dict[str, Any]] = []  # the core's start-up phases (runtime/startup.py)
-
-
-class CoreDead(msgspec.Struct, tag="dead", array_like=True):
-    message: str
-
-
-CoreOutput = CoreOutputs | UtilityResult | Ready | CoreDead
-
-
-# ---- the core process -------------------------------------------------------------------------
-
-def _live_config(engine: Any) -> dict[str, Any]:
+def _live_config(engine: LLMEngine) -> dict[str, Any]:
     c = engine.config
     out = dict(engine.live_config())
     out.update(max_model_len=c.model.max_model_len, num_blocks=engine.block_manager.num_blocks)
     return out
 
 
-def _update_config(engine: Any, changes: dict[str, Any]) -> dict[str, Any]:
+def _update_config(engine: LLMEngine, changes: dict[str, Any]) -> dict[str, Any]:
     """{"applied": what changed, "relayout": what a block-size change cost, else None}."""
     applied = engine.update_config(changes)
     report = getattr(engine, "last_relayout", None) if "block_size" in applied else None
@@ -194,30 +87,14 @@ def device_memory(device: str) -> dict[str, Any]:
 
 UTILITIES: dict[str, Callable[..., Any]] = {
     "live_config": _live_config,
-    "update_config": lambda engine, changes: _update_config(engine, changes),
+    "update_config": _update_config,
     "device_memory": lambda engine: device_memory(engine.config.device.device),
 }
 
 
-def error_kind(error: BaseException) -> tuple[str, str]:
-    """(kind, message) of an exception that crosses to the API process."""
-    from kvpilot.runtime.errors import RequestError
-
-    if isinstance(error, QueueFullError):
-        return "queue_full", str(error)
-    if isinstance(error, RequestError):
-        return "request", str(error)
-    if isinstance(error, ValueError):
-        return "value", str(error)
-    return "internal", f"{type(error).__name__}: {error}"
-
-
-class QueueFullError(RuntimeError):
-    """More requests wait for scheduling than `--max-queue-len` allows."""
-
-
-def run_core(config: Any, input_addr: str, output_addr: str, max_queue_len: int | None,
-             engine_factory: Callable[[Any], Any] | None = None, log_level: int = logging.INFO) -> None:
+def run_core(config: EngineConfig, input_addr: str, output_addr: str, max_queue_len: int | None,
+             engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
+             log_level: int = logging.INFO) -> None:
     """The core process's entry point (spawned by `AsyncEngine`)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     import signal
@@ -250,12 +127,13 @@ def run_core(config: Any, input_addr: str, output_addr: str, max_queue_len: int 
         engine.detokenize = False
         # the step hands back its touched `Request`s as they are: the core reads only their new
         # tokens, instead of copying every sample's whole output into a `RequestOutput` each step
-        engine.make_output = _as_is
+        engine.make_output = _as_is  # type: ignore[assignment]
         core = EngineCore(engine, max_queue_len, inbox, lambda msg: outbox.send(encoder.encode(msg)), parent)
         startup = getattr(engine, "startup", None)
         phases = [imports, *(startup.phases if startup is not None else [])]
-        outbox.send(encoder.encode(Ready(core.snapshot(), os.getpid(), [dataclasses.asdict(p) for p in phases])))
-        core.run()
+        outbox.send(encoder.encode(Ready(core.snapshot(), os.getpid(), engine.vocab_size,
+                                         [dataclasses.asdict(p) for p in phases])))
+        core.run_busy_loop()
     except BaseException as error:  # noqa: BLE001 - the API process must learn why, then we exit
         logger.exception("the engine core crashed")
         outbox.send(encoder.encode(CoreDead(f"{type(error).__name__}: {error}")))
@@ -269,72 +147,99 @@ def run_core(config: Any, input_addr: str, output_addr: str, max_queue_len: int 
 
 
 class EngineCore:
-    """The step loop: apply commands, step, send what the step produced; block when idle."""
+    """The busy loop around one engine: commands in, a step, outputs out; blocks while idle."""
 
     POLL_MS = 500  # while idle, how often to check that the API process still lives
 
-    def __init__(self, engine: Any, max_queue_len: int | None, inbox: Any, send: Callable[[Any], Any],
+    def __init__(self, engine: LLMEngine, max_queue_len: int | None, inbox: Any, send: Callable[[Any], Any],
                  parent_pid: int) -> None:
         self.engine = engine
         self.max_queue_len = max_queue_len
-        self.inbox = inbox
+        self.inbox = inbox  # a zmq PULL socket
         self.send = send
         self.parent_pid = parent_pid
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
+        # start-up work left for after Ready (warm_up.py): run while idle, and now and then between steps
+        self.warm_up: WarmUp | None = getattr(engine, "warm_up", None)
         # request id -> per sample, the output tokens sent (None once its end was sent)
         self._sent: dict[str, list[int | None]] = {}
         self._wants_logprobs: set[str] = set()
         self._prompt_sent: dict[str, int] = {}  # prompt logprobs asked: entries sent (the first is None)
 
-    def run(self) -> None:
+    def run_busy_loop(self) -> None:
+        while not self._orphaned():
+            # 1) poll the input queue: apply every command that came, waiting for one while idle
+            if not self._process_input_queue():
+                return
+            # 2) step the engine core, 3) send what it produced
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _orphaned(self) -> bool:
+        if os.getppid() == self.parent_pid:
+            return False
+        logger.warning("the API process is gone: the engine core exits")
+        return True
+
+    def _process_input_queue(self) -> bool:
+        """False once told to shut down or orphaned while waiting. While idle, the start-up work
+        left for after Ready runs a unit at a time until a command comes."""
+        if not self.engine.has_unfinished_requests():
+            while not self.inbox.poll(0 if self._warming_up else self.POLL_MS):
+                if self._warming_up:
+                    self._warm_up_unit()
+                elif self._orphaned():
+                    return False
+        acks: list[Ack] = []
+        commands = 0
+        for msg in self._commands():
+            if isinstance(msg, Shutdown):
+                return False
+            commands += 1
+            self._apply(msg, acks)
+        if commands:
+            self.send(CoreOutputs([], self.snapshot(), None, acks))
+        return True
+
+    def _commands(self) -> Iterator[Any]:
+        """The commands that have come, decoded; one that cannot be is logged and dropped."""
         import zmq
 
-        engine = self.engine
-        warm_up = getattr(engine, "warm_up", None)  # start-up work left for after Ready (warm_up.py)
         while True:
-            idle = not engine.has_unfinished_requests()
-            later = warm_up if warm_up is not None and warm_up.pending else None
-            if idle and not self.inbox.poll(0 if later else self.POLL_MS):
-                if later is not None:
-                    later.run_one(idle=True)
-                    if not later.pending:  # done: the API process learns it now, not at the next request
-                        self.send(CoreOutputs([], self.snapshot()))
-                elif os.getppid() != self.parent_pid:
-                    logger.warning("the API process is gone: the engine core exits")
-                    return
-                continue
-            acks: list[Ack] = []
-            touched = False
-            while True:
-                try:
-                    raw = self.inbox.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                msg = self.decoder.decode(raw)
-                if isinstance(msg, Shutdown):
-                    return
-                touched = True
-                self._apply(msg, acks)
-            if touched:
-                self.send(CoreOutputs([], self.snapshot(), None, acks))
-            if not engine.has_unfinished_requests():
-                continue
-            outputs = engine.step()
-            stats = engine.last_step
-            if later is not None:
-                later.run_if_due(idle=False)
-            if outputs or stats is not None:
-                self.send(CoreOutputs(self._deltas(outputs), self.snapshot(), _stats_msg(stats)))
-            else:
-                time.sleep(0.001)  # nothing schedulable this instant; don't spin hot
-            if os.getppid() != self.parent_pid:
-                logger.warning("the API process is gone: the engine core exits")
+            try:
+                raw = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
                 return
+            try:
+                yield self.decoder.decode(raw)
+            except msgspec.MsgspecError as error:
+                logger.error("dropped a command the engine core cannot read: %s", error)
+
+    @property
+    def _warming_up(self) -> bool:
+        return self.warm_up is not None and self.warm_up.pending
+
+    def _warm_up_unit(self) -> None:
+        assert self.warm_up is not None
+        self.warm_up.run_one(idle=True)
+        if not self.warm_up.pending:  # done: the API process learns it now, not at the next request
+            self.send(CoreOutputs([], self.snapshot()))
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        stats = self.engine.last_step
+        if self._warming_up:
+            assert self.warm_up is not None
+            self.warm_up.run_if_due(idle=False)
+        if outputs or stats is not None:
+            self.send(CoreOutputs(self._deltas(outputs), self.snapshot(), _stats_msg(stats)))
+        else:
+            time.sleep(0.001)  # nothing schedulable this instant; don't spin hot
 
     # ---- commands --------------------------------------------------------------------------
 
     def _apply(self, msg: Any, acks: list[Ack]) -> None:
-        if isinstance(msg, AddRequest):
+        if isinstance(msg, AddRequests):
             acks.append(self._add(msg))
         elif isinstance(msg, AbortRequests):
             for request_id in msg.request_ids:
@@ -347,26 +252,34 @@ class EngineCore:
         elif isinstance(msg, UtilityCall):
             self._call(msg)
 
-    def _add(self, msg: AddRequest) -> Ack:
-        from kvpilot.runtime.sampling_params import SamplingParams
-
+    def _add(self, msg: AddRequests) -> Ack:
+        """Admit every request of `msg` or none: a refusal takes back those already added."""
+        first = msg.requests[0].request_id
+        added: list[str] = []
         try:
-            if self.max_queue_len is not None and self.engine.num_waiting_requests >= self.max_queue_len:
+            waiting = self.engine.num_waiting_requests
+            if self.max_queue_len is not None and waiting + len(msg.requests) > self.max_queue_len:
                 raise QueueFullError(
-                    f"the server's queue is full ({self.max_queue_len} requests waiting); retry later")
-            params = SamplingParams(**msg.params)
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
-                                    arrival_time=msg.arrival_time, priority=msg.priority,
-                                    tenant=msg.tenant)
+                    f"the server's queue is full ({waiting} of {self.max_queue_len} requests waiting, "
+                    f"{len(msg.requests)} more asked); retry later")
+            for add in msg.requests:
+                params = SamplingParams(**add.params)
+                self.engine.add_request(add.request_id, add.prompt_token_ids, params, arrival_time=add.arrival_time,
+                                        priority=add.priority, tenant=add.tenant)
+                added.append(add.request_id)
         except Exception as error:  # noqa: BLE001 - any failure goes back to the caller, never hangs it
+            for request_id in added:
+                self.engine.abort_request(request_id)
             kind, message = error_kind(error)
-            return Ack(msg.request_id, kind, message)
-        self._sent[msg.request_id] = [0] * len(self.engine.requests[msg.request_id].seqs)
-        if params.logprobs is not None:
-            self._wants_logprobs.add(msg.request_id)
-        if params.prompt_logprobs is not None:
-            self._prompt_sent[msg.request_id] = 1
-        return Ack(msg.request_id)
+            return Ack(first, kind, message)
+        for request_id in added:
+            request = self.engine.requests[request_id]
+            self._sent[request_id] = [0] * len(request.seqs)
+            if request.params.logprobs is not None:
+                self._wants_logprobs.add(request_id)
+            if request.params.prompt_logprobs is not None:
+                self._prompt_sent[request_id] = 1
+        return Ack(first)
 
     def _call(self, msg: UtilityCall) -> None:
         fn = UTILITIES.get(msg.method)
@@ -386,7 +299,7 @@ class EngineCore:
 
     # ---- outputs ---------------------------------------------------------------------------
 
-    def _deltas(self, requests: list[Any]) -> list[RequestDelta]:
+    def _deltas(self, requests: list[Request]) -> list[RequestDelta]:
         """What the step added to each touched `Request` (sequence.py)."""
         deltas = []
         for request in requests:
@@ -412,13 +325,15 @@ class EngineCore:
             finished = request.is_finished
             prompt_lps = None
             prompt_sent = self._prompt_sent.get(request.request_id)
-            if prompt_sent is not None and len(request.prompt_logprobs) > prompt_sent:
+            if prompt_sent is not None and request.prompt_logprobs is not None \
+                    and len(request.prompt_logprobs) > prompt_sent:
                 prompt_lps = [[(tid, lp.logprob, lp.rank) for tid, lp in entry.items()]
-                              for entry in request.prompt_logprobs[prompt_sent:]]
+                              for entry in request.prompt_logprobs[prompt_sent:] if entry is not None]
                 self._prompt_sent[request.request_id] = len(request.prompt_logprobs)
             deltas.append(RequestDelta(
                 request.request_id, seqs, m.first_scheduled_time, m.first_token_time, m.last_token_time,
-                m.finished_time, max(seq.num_cached_tokens for seq in request.seqs), finished, prompt_lps))
+                m.finished_time, max(seq.num_cached_tokens for seq in request.seqs), finished, prompt_lps,
+                request.error))
             if finished:
                 self._forget(request.request_id)
         return deltas
@@ -440,15 +355,15 @@ class EngineCore:
             preemption_mode=sched.preemption_mode,
             enable_prefix_caching=cache.enable_prefix_caching,
             waiting_requests_by_tenant=dict(e.scheduler.backlog),
-            warming_up=bool(getattr(getattr(e, "warm_up", None), "pending", False)),
+            warming_up=self._warming_up,
         )
 
 
-def _as_is(request: Any) -> Any:
+def _as_is(request: Request) -> Request:
     return request
 
 
-def _stats_msg(stats: Any) -> StepStatsMsg | None:
+def _stats_msg(stats: StepStats | None) -> StepStatsMsg | None:
     if stats is None:
         return None
     return StepStatsMsg(stats.duration_s, stats.num_batched_tokens, stats.num_prompt_tokens,

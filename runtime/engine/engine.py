@@ -38,7 +38,7 @@ from kvpilot.runtime.engine.block_switch import (
 )
 from kvpilot.runtime.engine.step_inputs import build_step_inputs
 from kvpilot.runtime.engine.warm_up import WarmUp
-from kvpilot.runtime.errors import RequestError
+from kvpilot.runtime.errors import RequestError, RowsFailedError
 from kvpilot.runtime.executor.inputs import StepInputs
 from kvpilot.runtime.executor.model_runner import ModelRunner
 from kvpilot.runtime.executor.sampler import DevicePromptLogprobs, DeviceSample, SampleResult
@@ -57,7 +57,7 @@ from kvpilot.runtime.sched.sequence import (
     request_output,
 )
 from kvpilot.runtime.startup import StartupLog
-from kvpilot.runtime.tokenizer import Tokenizer, encode_prompt, eos_token_ids
+from kvpilot.runtime.tokenizer import Tokenizer, check_prompt, encode_prompt, eos_token_ids
 from kvpilot.runtime.tunables import LiveConfig, check_changes
 
 logger = logging.getLogger(__name__)
@@ -180,8 +180,8 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._in_flight: _Launched | None = None  # async scheduling: the step the device runs
         self._drained = _Resolved()  # a step postprocessed between steps: out with the next `step()`
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.runner.num_blocks,
-                    self.runner.block_size, self.runner.num_blocks * self.runner.bytes_per_block / (1 << 30))
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %.2f GiB)", layout.num_blocks,
+                    layout.block_size, layout.capacity_tokens, layout.dtype, layout.num_blocks * layout.bytes_per_block / (1 << 30))
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -204,7 +204,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, token_ids = encode_prompt(self.tokenizer if isinstance(prompt, str) else None, prompt)
-        self._validate_prompt(token_ids)
+        check_prompt(token_ids, self.vocab_size, self.config.model.max_model_len)
+        params.check_vocab(self.vocab_size)
         request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
                           arrival_time=time.time() if arrival_time is None else arrival_time, priority=priority,
                           tenant=tenant, seq_ids=self._seq_ids)
@@ -214,18 +215,9 @@ class LLMEngine:
         self._unscheduled.add(request_id)
         return request
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        max_len = self.config.model.max_model_len
-        vocab = self.runner.model_config.vocab_size
-        if not token_ids:
-            raise RequestError("the prompt is empty")
-        if len(token_ids) >= max_len:
-            raise RequestError(
-                f"the prompt has {len(token_ids)} tokens; this model's maximum context length is {max_len} "
-                "tokens, which must also leave room for at least one generated token")
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+    @property
+    def vocab_size(self) -> int:
+        return int(self.runner.model_config.vocab_size)
 
     def abort_request(self, request_id: str, indices: Collection[int] | None = None) -> None:
         """Stop a request now and free its blocks; unknown ids are ignored. With `indices`, only
@@ -329,49 +321,27 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         # every step, even without copies: the runner orders copies in flight by these calls
         self.runner.swap_blocks(sched.swap_out, sched.swap_in)
-        previous, self._in_flight = self._in_flight, None
         done, self._drained = self._drained, _Resolved()
-        launched = None
-        if not sched.is_empty:
-            inputs = build_step_inputs(sched.scheduled, self.block_manager.block_size, self.eos_token_ids,
-                                       self._finished_seq_ids)
-            self._finished_seq_ids = []
-            if previous is not None and _reads_token_history(inputs):
-                done.add(self._postprocess(previous, finished_only))
-                previous = None
-            launched = self._launch(sched, inputs)
-        if previous is not None:  # the device ran it while this step was prepared
-            done.add(self._postprocess(previous, finished_only))
-        if launched is not None:
-            if self.async_scheduling:
-                self._in_flight = launched
-            else:
-                done.add(self._postprocess(launched, finished_only))
-        if sched.is_empty and not sched.preempted and not sched.swap_in and not done.num_generation_tokens:
-            self.last_step = None
-            return []
-        block_bytes = self.runner.bytes_per_block
-        swap = self.runner.take_swap_stats()
-        self.last_step = StepStats(
-            duration_s=time.perf_counter() - start,
-            num_batched_tokens=sched.num_batched_tokens,
-            num_prompt_tokens=done.num_prompt_tokens,
-            num_generation_tokens=done.num_generation_tokens,
-            num_preemptions=len(sched.preempted),
-            num_swapped_out=sched.num_swapped_out,
-            swap_out_bytes=len(sched.swap_out) * block_bytes,
-            swap_in_bytes=len(sched.swap_in) * block_bytes,
-            swap_out_seconds=swap.seconds_out,
-            swap_in_seconds=swap.seconds_in,
-            served_tokens=sched.served_tokens,
-        )
+        launched = self._launch(sched, done, finished_only) if not sched.is_empty else None
+        done.add(self._postprocess_due(launched, finished_only))
+        self.last_step = self._stats(sched, done, start)
         return done.outputs
 
-    def _launch(self, sched: SchedulerOutput, inputs: StepInputs) -> _Launched:
+    def _launch(self, sched: SchedulerOutput, done: _Resolved, finished_only: bool) -> _Launched | None:
         """Queue the step on the device, then move the host's view on as if it had run: the
         scheduled tokens count as computed and each sampled token as pending, so the next step can
-        be scheduled before this one's tokens are known."""
-        sampled, prompt = self.runner.launch(inputs)
+        be scheduled before this one's tokens are known. None if every request in it failed."""
+        inputs = build_step_inputs(sched.scheduled, self.block_manager.block_size, self.eos_token_ids,
+                                   self._finished_seq_ids)
+        self._finished_seq_ids = []
+        if self._in_flight is not None and _reads_token_history(inputs):
+            # sampling reads the tokens so far: the step in flight is postprocessed first
+            launched, self._in_flight = self._in_flight, None
+            done.add(self._postprocess(launched, finished_only))
+        queued = self._queue_on_device(sched, inputs)
+        if queued is None:
+            return None
+        (sampled, prompt), inputs = queued
         now = time.time()
         max_len = self.config.model.max_model_len
         sample_index = 0
@@ -392,6 +362,74 @@ class LLMEngine:
                 seq.ends_when_resolved = reaches_length(seq, seq.num_tokens, max_len)
         owners = [(self.requests[request_id], count) for request_id, count in inputs.prompt_logprob_owners]
         return _Launched(sched, sampled, prompt, owners)
+
+    def _queue_on_device(self, sched: SchedulerOutput, inputs: StepInputs) -> tuple[
+            tuple[DeviceSample | None, DevicePromptLogprobs | None], StepInputs] | None:
+        """`runner.launch(inputs)` and the inputs it ran. A request whose sampling fails ends alone
+        (`RowsFailedError`): the step is queued again without it; None if no request is left."""
+        while True:
+            try:
+                return self.runner.launch(inputs), inputs
+            except RowsFailedError as failed:
+                seqs = {s.seq.seq_id: s.seq for s in sched.scheduled}
+                for seq_id, message in failed.errors.items():
+                    self._fail_request(seqs[seq_id].request, f"sampling failed: {message}")
+                sched.scheduled = [s for s in sched.scheduled if s.seq.request.error is None]
+                if not sched.scheduled:
+                    return None
+                inputs = build_step_inputs(sched.scheduled, self.block_manager.block_size, self.eos_token_ids,
+                                           inputs.finished_seq_ids + self._finished_seq_ids)
+                self._finished_seq_ids = []
+
+    def _postprocess_due(self, launched: _Launched | None, finished_only: bool) -> _Resolved:
+        """Postprocess the steps whose tokens are due: the one in flight before this step (async
+        scheduling: the device ran it while this one was prepared), and this one unless async
+        scheduling leaves it in flight until the next `step()`."""
+        done = _Resolved()
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            done.add(self._postprocess(previous, finished_only))
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                done.add(self._postprocess(launched, finished_only))
+        return done
+
+    def _stats(self, sched: SchedulerOutput, done: _Resolved, start: float) -> StepStats | None:
+        """What the step did; None for a step that did nothing."""
+        if (sched.is_empty and not sched.preempted and not sched.swap_in and not done.num_generation_tokens
+                and not done.outputs):
+            return None
+        block_bytes = self.runner.bytes_per_block
+        swap = self.runner.take_swap_stats()
+        return StepStats(
+            duration_s=time.perf_counter() - start,
+            num_batched_tokens=sched.num_batched_tokens,
+            num_prompt_tokens=done.num_prompt_tokens,
+            num_generation_tokens=done.num_generation_tokens,
+            num_preemptions=len(sched.preempted),
+            num_swapped_out=sched.num_swapped_out,
+            swap_out_bytes=len(sched.swap_out) * block_bytes,
+            swap_in_bytes=len(sched.swap_in) * block_bytes,
+            swap_out_seconds=swap.seconds_out,
+            swap_in_seconds=swap.seconds_in,
+            served_tokens=sched.served_tokens,
+        )
+
+    def _fail_request(self, request: Request, message: str) -> None:
+        """End `request` alone on an error raised by its own values; its output (finish reason
+        "error", `error` set) comes out with the next `step()`, and the engine serves the rest."""
+        logger.warning("request %s failed and was ended: %s", request.request_id, message)
+        request.error = message
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "error"
+                self._finish(seq)
+        request.metrics.finished_time = time.time()
+        if self.requests.pop(request.request_id, None) is not None:
+            self._unscheduled.discard(request.request_id)
+            self._drained.outputs.append(self.make_output(request))
 
     def _drain(self) -> None:
         """Postprocess the step in flight now (before a change that must meet no pending token);
@@ -428,10 +466,14 @@ class LLMEngine:
             seq.token_ids.append(token)
             if len(seq.token_ids) - seq.num_prompt_tokens == 1:
                 num_prompt_tokens += seq.num_prompt_tokens
-            if lp is not None:
-                logprobs.record_sample(seq, token, lp, self._decode)
-            new_text = tokenizer.detokenize_step(seq) if tokenizer is not None else ""
-            check_stop(seq, token, len(new_text), self.eos_token_ids, self.config.model.max_model_len)
+            try:  # what a request's own values can break fails that request alone
+                if lp is not None:
+                    logprobs.record_sample(seq, token, lp, self._decode)
+                new_text = tokenizer.detokenize_step(seq) if tokenizer is not None else ""
+                check_stop(seq, token, len(new_text), self.eos_token_ids, self.config.model.max_model_len)
+            except Exception as error:  # noqa: BLE001
+                self._fail_request(seq.request, f"postprocessing failed: {type(error).__name__}: {error}")
+                continue
             metrics = seq.request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
@@ -441,6 +483,8 @@ class LLMEngine:
             touched[seq.request.request_id] = seq.request
         outputs = []
         for request in touched.values():
+            if request.error is not None:  # its output is out already
+                continue
             if request.is_finished:
                 request.metrics.finished_time = now
                 self.requests.pop(request.request_id, None)

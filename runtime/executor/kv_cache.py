@@ -9,7 +9,8 @@ head_dim) or, on the GPU, head-major (num_kv_heads, block_size, head_dim: kernel
 num_kv_heads, head_dim) view.
 
 `KVCacheLayout` is what the runner reports when it builds or re-cuts the cache; the engine sizes
-its block manager and swap space from it. `relayout` carries out a `RelayoutPlan`
+its block manager and swap space from it. Its dtype is the cache's: the model's, or FP8 (one byte
+a value, so twice the tokens of bf16 in the same memory; kvpilot.kernels.kv_quant). `relayout` carries out a `RelayoutPlan`
 (sched/relayout.py) on flat cache tensors of one layout — the device cache and the host swap
 space alike — in batches whose temporary memory the plan bounds.
 """
@@ -24,6 +25,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kvpilot.kernels.kv_quant import FP8
 from kvpilot.runtime.tunables import BLOCK_SIZE
 
 # Temporary memory one relayout batch may use per cache tensor (one layer's K or V): the plan's
@@ -107,6 +109,18 @@ class KVCacheLayout:
         return dataclasses.replace(self, block_size=block_size, num_blocks=self.capacity_tokens // block_size)
 
 
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What the cache holds for --kv-cache-dtype: "auto", the model's dtype; "fp8", FP8, which the
+    Triton kernels can convert on GPUs of compute capability 8.9 (Ada, Hopper) or later."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"kv_cache_dtype: fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper); "
+                         f"this one is {major}.{minor}")
+    return FP8
+
+
 def allocate(layout: KVCacheLayout, num_tokens: int) -> torch.Tensor:
     """Flat K and V storage of `num_tokens` slots for every layer on the layout's device, zeroed:
     one allocation, (2 * num_layers, num_tokens * num_kv_heads * head_dim), row 2i layer i's K and
@@ -115,6 +129,8 @@ def allocate(layout: KVCacheLayout, num_tokens: int) -> torch.Tensor:
     scatter instead of one per row."""
     n = num_tokens * layout.num_kv_heads * layout.head_dim
     if torch.device(layout.device).type != "cpu":
+        if layout.dtype.itemsize == 1:  # FP8: zero bytes (+0.0), which any build can fill, viewed as such
+            return torch.zeros(2 * layout.num_layers, n, dtype=torch.uint8, device=layout.device).view(layout.dtype)
         return torch.zeros(2 * layout.num_layers, n, dtype=layout.dtype, device=layout.device)
     # on the CPU, anonymous memory: the kernel hands out zeroed pages as they are first written, so
     # start-up does not touch the whole cache (a GiB by default) the way zeros' memset does

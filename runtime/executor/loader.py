@@ -89,6 +89,7 @@ def load_model(config: ModelConfig, device: str, tp: TPInfo | None = None,
         finally:
             torch.set_default_dtype(previous)
         _materialize(model, torch.device(device))
+        model.set_kv_scales(torch.ones(2))  # buffers are not parameters: no format fills them
     if config.load_format == "dummy":
         with startup.phase("weights", reader="dummy"), torch.no_grad():
             _fill_dummy(model, config.seed + (tp.rank if tp else 0))

@@ -18,8 +18,10 @@ from collections.abc import Iterator
 import torch
 
 from kvpilot.kernels import ops as kernel_ops
+from kvpilot.kernels.reference import ReferenceOps
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.executor import kv_cache
+from kvpilot.runtime.errors import RowsFailedError
+from kvpilot.runtime.executor import kv_cache, kv_scales
 from kvpilot.runtime.executor.batch import fill_pending, to_device, to_tensors
 from kvpilot.runtime.executor.cpu_linear import pack_linears
 from kvpilot.runtime.executor.cuda_graphs import (
@@ -80,7 +82,8 @@ class ModelRunner:
         self.layout = KVCacheLayout(
             block_size=config.cache.block_size, num_blocks=0, capacity_tokens=0,
             num_layers=self.model_config.num_layers, num_kv_heads=self.num_kv_heads,
-            head_dim=self.model_config.head_dim, dtype=self.dtype, device=str(self.device),
+            head_dim=self.model_config.head_dim, device=str(self.device),
+            dtype=kv_cache.cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device),
             head_major=self.device.type == "cuda",  # the decode kernel streams each (block, KV head) as one run
             swap_capacity_tokens=0)
         self.layout = dataclasses.replace(  # --swap-space GiB, per rank under tensor parallelism
@@ -90,6 +93,10 @@ class ModelRunner:
         # it); None where nothing was profiled
         self.profiled_step_tokens: int | None = None
         self.swap_space: SwapSpace | None = None  # made once the KV cache exists
+        self.kv_scales_source: str | None = None  # where an FP8 cache's scales came from
+        if self.layout.dtype != self.dtype:  # FP8: the scales before any step writes the cache
+            with self.startup.phase("kv_scales") as settled:
+                self.kv_scales_source = settled["source"] = self._settle_kv_scales()
         with self.startup.phase("kv_profile") as profiled:  # a worst-case forward pass on CUDA (its first)
             cached = _triton_cache_entries()
             num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
@@ -215,12 +222,15 @@ class ModelRunner:
                               seq_lens=[1], query_start_loc=[0, 1], logits_rows=[0])
             self._probe(wide, self._caches_for(bs), bs)
 
-    def _probe(self, inputs: StepInputs, caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
-        """One eager forward pass and its logits over `caches`, for what it leaves behind (peak
-        memory, compiled kernels), not for its results."""
+    def _probe(self, inputs: StepInputs, caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+               ops: kernel_ops.Ops | None = None) -> None:
+        """One eager forward pass and its logits over `caches` (with `ops`, else the runner's), for
+        what it leaves behind (peak memory, compiled kernels, the caches' contents), not for its
+        results."""
+        ops = ops or self.ops
         input_ids, positions, meta = to_tensors(inputs, self.device)
         with torch.inference_mode():
-            hidden = self.model(input_ids, caches, self.ops.plan(meta, positions, self.rope, block_size), self.ops)
+            hidden = self.model(input_ids, caches, ops.plan(meta, positions, self.rope, block_size), ops)
             self.model.compute_logits(hidden[inputs.logits_rows])
 
     def _graphs_for(self, block_size: int) -> DecodeGraphs | None:
@@ -268,6 +278,27 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         return self.layout.bytes_per_block
+
+    def _settle_kv_scales(self) -> str:
+        """An FP8 cache's scales, settled as kv_scales.py says; where they came from."""
+        calculate = self.config.cache.calculate_kv_scales
+        if calculate or (calculate is None and not self.model.kv_scales_from_checkpoint):
+            n = min(kv_scales.CALIBRATION_TOKENS, self.config.model.max_model_len,
+                    self.config.scheduler.max_num_batched_tokens)
+            # the reference ops: the Triton kernels' variants for caches of the model's dtype, which
+            # serving never launches, would be compiled for this one pass
+            reference = ReferenceOps()
+            self.model.set_kv_scales(kv_scales.measure(
+                lambda step, caches: self._probe(step, caches, self.block_size, reference),
+                dataclasses.replace(self.layout, dtype=self.dtype), self.model_config.vocab_size, n,
+                self.config.model.seed))
+            source = f"measured on {n} calibration tokens"
+        else:
+            source = "from the checkpoint" if self.model.kv_scales_from_checkpoint else "1.0 (no calibration)"
+        scales = torch.stack([layer.kv_scales for layer in self.model.layers]).cpu()
+        logger.info("FP8 KV cache: scales %s, k %.3g..%.3g, v %.3g..%.3g", source, scales[:, 0].min(),
+                    scales[:, 0].max(), scales[:, 1].min(), scales[:, 1].max())
+        return source
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -404,12 +435,32 @@ class ModelRunner:
         if self.tp.size > 1:  # the other ranks need only the model's inputs
             self.tp.broadcast(("step", dataclasses.replace(inputs, sampling_rows=[], finished_seq_ids=[])))
         logits, prompt = self._run(inputs)
-        sampled = None
-        if logits is not None:
-            rows = inputs.sampling_rows
-            sampled = sample_on_device(logits, rows, [self._generator(row) for row in rows])
+        sampled = self._sample(logits, inputs.sampling_rows) if logits is not None else None
         self._sampled = sampled.token_ids if sampled is not None else None
         return sampled, prompt
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+        """Sample every row; where that fails on the host (a row's values: a seed or top-k no
+        generator or tensor holds), raise `RowsFailedError` naming the failing rows, found by
+        trying each alone with a throwaway generator, so no other row's random stream moves.
+        Device errors are not the request's: they propagate."""
+        try:
+            return sample_on_device(logits, rows, [self._generator(row) for row in rows])
+        except Exception as error:
+            if _is_device_error(error):
+                raise
+            failed: dict[int, str] = {}
+            for i, row in enumerate(rows):
+                try:
+                    probe = None if row.seed is None else torch.Generator(device=self.device).manual_seed(row.seed)
+                    sample_on_device(logits[i:i + 1], [row], [probe]).result()
+                except Exception as row_error:
+                    if _is_device_error(row_error):
+                        raise
+                    failed[row.seq_id] = f"{type(row_error).__name__}: {row_error}"
+            if not failed:
+                raise
+            raise RowsFailedError(failed) from error
 
     def _generator(self, row: SamplingRow) -> torch.Generator | None:
         """A seeded sequence's generator, made on its first sample: its draws then depend only on
@@ -440,3 +491,8 @@ class ModelRunner:
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast(("stop", None))
 
+
+def _is_device_error(error: BaseException) -> bool:
+    """An error of the device itself (out of memory, a failed kernel), not of one row's values."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(error, torch.cuda.OutOfMemoryError | accelerator_error) or "CUDA" in str(error)

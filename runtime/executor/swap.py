@@ -27,6 +27,9 @@ side CUDA stream, ordered by events rather than host syncs:
 Copies on the side stream run in issue order, so a host block freed by a swap-in and reused by a
 later swap-out, or staging reused by the next transfer, needs no further ordering. On the CPU the
 same code runs without streams or events (every copy is done when it returns).
+
+FP8 caches are moved as their bytes (`_movable`): the copies only move them, and torch's CPU
+ops lack float8 variants of some (index_copy_).
 """
 
 from __future__ import annotations
@@ -71,6 +74,11 @@ def block_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided((cache.shape[0], block_numel), (block_numel, 1))
 
 
+def _movable(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or for a one-byte float (FP8) the same memory as uint8."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+
+
 def _runs(ids: list[int]) -> Iterator[tuple[int, int, int]]:
     """(position in `ids`, first id, length) of each run of consecutive ids, in order."""
     start = 0
@@ -83,7 +91,7 @@ def _runs(ids: list[int]) -> Iterator[tuple[int, int, int]]:
 class SwapSpace:
     def __init__(self, kv_caches: KVCaches, swap_bytes: int, staging_bytes: int = MAX_STAGING_BYTES,
                  stacked: torch.Tensor | None = None) -> None:
-        first = kv_caches[0][0]
+        first = _movable(kv_caches[0][0])
         self.device = first.device
         self.dtype = first.dtype
         self.is_cuda = self.device.type == "cuda"
@@ -104,6 +112,8 @@ class SwapSpace:
         the same caches as one (num_blocks, 2 * num_layers, block_numel) view, K0, V0, K1, ...
         (kv_cache.stacked_view), so that a transfer moves a block of every layer in one copy."""
         self.synchronize()
+        kv_caches = [(_movable(k), _movable(v)) for k, v in kv_caches]
+        stacked = None if stacked is None else _movable(stacked)
         first = kv_caches[0][0]
         self.num_layers = len(kv_caches)
         self.block_numel = block_view(first).shape[1]

@@ -91,7 +91,7 @@ class SafetensorsSlice:
 
     def read(self, dim: int | None = None, start: int = 0, length: int = 0) -> torch.Tensor:
         if dim is None:
-            t = self._slice[:]
+            t = self._slice[...]  # any number of dims, none included (a per-tensor scale)
         elif dim == 0:
             t = self._slice[start:start + length]
         else:

@@ -130,6 +130,7 @@ class Request:
     # prompt position whose logits no step has been given yet
     prompt_logprobs: PromptLogprobs | None = field(init=False)
     prompt_logprob_cursor: int = field(init=False, default=0)
+    error: str | None = field(init=False, default=None)  # set when the engine ends it alone on an error
     _: KW_ONLY
     seq_ids: InitVar[Iterator[int]]  # the engine's sequence numbering
 
@@ -215,4 +216,5 @@ def request_output(request: Request) -> RequestOutput:
         if seq.num_cached_tokens > num_cached_tokens:
             num_cached_tokens = seq.num_cached_tokens
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                         request.is_finished, request.metrics, num_cached_tokens, request.prompt_logprobs)
+                         request.is_finished, request.metrics, num_cached_tokens, request.prompt_logprobs,
+                         request.error)

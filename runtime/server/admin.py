@@ -47,6 +47,7 @@ class ServerState(Protocol):
     model_name: str
     draining: bool
     reloading: bool
+    reload_lock: asyncio.Lock
 
     def set_model(self, engine_config: EngineConfig, tokenizer: Tokenizer | None) -> None: ...
 
@@ -59,7 +60,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
                            "(or KVPILOT_ADMIN_TOKEN)", type="not_found_error", code="admin_disabled")
         check_token(request, token, "admin token")
 
-    @app.get("/admin/config")
+    @app.api_route("/admin/config", methods=["GET", "HEAD"])
     async def get_config(request: Request) -> dict[str, Any]:
         authorize(request)
         return await state.engine.live_config()
@@ -118,13 +119,21 @@ async def reload_model(state: ServerState, model_path: str, served_model_name: s
     if os.path.commonpath([real_root, path]) != real_root:
         raise APIError(403, f"model_path must lie inside --allowed-model-root ({root})",
                        type="permission_error", param="model_path", code="path_not_allowed")
-    if state.reloading or state.draining:
+    if state.reload_lock.locked() or state.reloading or state.draining:
         raise APIError(409, "a reload or a drain is already in progress", code="conflict")
+    async with state.reload_lock:  # taken with no await since the check: a second reload gets 409
+        return await _reload_locked(state, path, served_model_name)
+
+
+async def _reload_locked(state: ServerState, path: str, served_model_name: str | None) -> dict[str, Any]:
+    assert state.engine_args is not None
     args = dataclasses.replace(state.engine_args, model=path, served_model_name=served_model_name)
     try:
         new_config = await asyncio.get_running_loop().run_in_executor(None, args.create_engine_config)
     except ValueError as e:  # ModelSourceError included
         raise APIError(400, str(e), param="model_path", code="invalid_model") from None
+    if state.draining:
+        raise APIError(409, "a drain began while the new model was checked", code="conflict")
     state.reloading = True
     try:
         started = time.perf_counter()

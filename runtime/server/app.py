@@ -35,6 +35,7 @@ from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.server.admin import add_admin_routes
 from kvpilot.runtime.server.async_engine import AsyncEngine
 from kvpilot.runtime.server.errors import add_error_handlers, bearer_token, unauthorized
+from kvpilot.runtime.server.http_limits import BodySizeLimit, header_timeout_protocol
 from kvpilot.runtime.server.metrics import ServerMetrics
 from kvpilot.runtime.server.openai_serving import OpenAIServing
 from kvpilot.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -59,10 +60,18 @@ class ServerConfig:
     metric_interval: float = 10.0
     drain_timeout: float = 30.0
     allowed_model_root: str | None = None
+    max_request_body_bytes: int = 8 << 20  # larger bodies get 413 before they are parsed
+    header_read_timeout: float = 10.0  # seconds a client has to send a request line and headers
+    trust_request_chat_template: bool = False  # render `chat_template` sent in requests (sandboxed)
+    enable_docs: bool = False  # serve /docs, /redoc and /openapi.json
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port: must be in 1..65535, not {self.port}")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(f"max_request_body_bytes: must be at least 1024, not {self.max_request_body_bytes}")
+        if not self.header_read_timeout > 0:
+            raise ValueError(f"header_read_timeout: must be positive, not {self.header_read_timeout}")
         if self.metric_interval <= 0:
             raise ValueError(f"metric_interval: must be positive, not {self.metric_interval}")
         if self.drain_timeout < 0:
@@ -84,7 +93,8 @@ class ServerState:
         self.reloading = False
         self.started = False
         self.device = engine_config.device.device
-        self.metrics = ServerMetrics(engine_config.model.served_model_name, self.known_tenants)
+        self.metrics = ServerMetrics(engine_config.model.served_model_name, self.known_tenants,
+                                     cache_dtype=engine_config.cache.kv_cache_dtype)
         with self.startup.phase("tokenizer"):
             tokenizer = load_tokenizer(engine_config)
         if engine is None:
@@ -92,7 +102,12 @@ class ServerState:
         engine.attach_tokenizer(tokenizer)
         engine.on_step = self.metrics.record
         self.engine = engine
-        self.serving = OpenAIServing(self.engine, tokenizer, self.metrics.model_name, self._refusal)
+        self.serving = OpenAIServing(self.engine, tokenizer, self.metrics.model_name, self._refusal,
+                                     max_queue_len=config.max_queue_len,
+                                     trust_request_chat_template=config.trust_request_chat_template,
+                                     max_prompt_chars=config.max_request_body_bytes)
+        # taken before a reload's first await: two reloads never overlap (admin.py)
+        self.reload_lock = asyncio.Lock()
         self.set_model(engine_config, tokenizer)
 
     def set_model(self, engine_config: EngineConfig, tokenizer: Tokenizer | None) -> None:
@@ -103,7 +118,8 @@ class ServerState:
         self.serving.max_num_seqs = engine_config.scheduler.max_num_seqs
         self.serving.tokenizer = tokenizer
         if self.metrics.model_name != self.model_name:
-            self.metrics = ServerMetrics(self.model_name, self.known_tenants)
+            self.metrics = ServerMetrics(self.model_name, self.known_tenants,
+                                         cache_dtype=engine_config.cache.kv_cache_dtype)
             self.engine.on_step = self.metrics.record
 
     @property
@@ -157,8 +173,11 @@ def build_app(state: ServerState) -> FastAPI:
             state.engine.abort_all()
             await state.engine.stop()
 
-    app = FastAPI(title="kvpilot", lifespan=lifespan)
+    docs = state.config.enable_docs  # the schema lists the admin routes: off unless asked for
+    app = FastAPI(title="kvpilot", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.kvpilot = state
+    app.add_middleware(BodySizeLimit, max_bytes=state.config.max_request_body_bytes)
     add_error_handlers(app)
     _add_openai_routes(app, state)
     _add_ops_routes(app, state)
@@ -186,7 +205,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         tenant = authorize(request, body.user)
         return await state.serving.completions(body, request, tenant)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> dict[str, Any]:
         authorize(request)
         return {"object": "list", "data": [{
@@ -196,7 +215,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         snap = state.engine.snapshot
         body: dict[str, Any] = {
@@ -228,7 +247,7 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             body["message"] = "; ".join(warnings)
         return JSONResponse(body)
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready() -> JSONResponse:
         if state.draining or state.reloading:
             reason = "draining" if state.draining else "reloading"
@@ -237,11 +256,11 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"ready": False, "reason": "engine not running"}, status_code=503)
         return JSONResponse({"ready": True, "model": state.model_name, "startup": state.startup_record})
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def version_() -> dict[str, str]:
         return {"version": _version()}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(state.metrics.expose(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -316,5 +335,6 @@ def make_server(engine_config: EngineConfig, config: ServerConfig, log_level: st
     `engine_factory(engine_config)`, default `LLMEngine`), or waits for `engine`'s, spawned earlier."""
     state = ServerState(engine_config, config, engine_args, engine_factory, startup, engine)
     uv_config = uvicorn.Config(build_app(state), host=config.host, port=config.port, log_level=log_level,
-                               timeout_graceful_shutdown=max(1, int(config.drain_timeout)))
+                               timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
+                               http=header_timeout_protocol(config.header_read_timeout))
     return DrainingServer(uv_config, state)

@@ -3,8 +3,9 @@
 `start()` spawns the engine core (engine/core.py) as its own process and waits until it has built its
 `LLMEngine`; from then on the event loop sends it commands (add, abort, utility calls) and one
 reader task receives its per-step messages, turns the token ids into `RequestOutput`s
-(output_processor.py: detokenizing, stop strings) and puts each into its request's asyncio queue
-(a *stream*). Prompts are tokenized here, so the core sees token ids only.
+(output_processor.py: detokenizing, stop strings) and hands each to its request's *stream*, which
+keeps the latest. Prompts are tokenized here (off the event loop), so the core sees token ids only;
+the prompts of one HTTP request are admitted together, all or none.
 
 The core is *dead* when its step loop raises (it says why before exiting) or its process exits
 unasked (killed, out of memory): every open stream and every later request fails at once with
@@ -23,16 +24,18 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Collection
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from kvpilot.runtime.engine.core import (
+from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine.core import run_core
+from kvpilot.runtime.engine.messages import (
     AbortRequests,
     AddRequest,
+    AddRequests,
     CoreDead,
     CoreOutput,
     CoreOutputs,
@@ -44,9 +47,9 @@ from kvpilot.runtime.engine.core import (
     StepStatsMsg,
     UtilityCall,
     UtilityResult,
-    run_core,
+    error_of,
 )
-from kvpilot.runtime.errors import EngineDeadError, RequestError
+from kvpilot.runtime.errors import EngineDeadError, RequestError, RequestFailedError
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.sched.sequence import DEFAULT_TENANT
@@ -58,21 +61,41 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineSnapshot", "QueueFullError", "RequestStream", "StepHook"]
 
 
-@dataclass
 class RequestStream:
-    """Outputs of one request, in order; ends after the finished output or an error."""
+    """The outputs of one request, in order, ending after the finished one or an error. Outputs
+    are cumulative, so only the latest unread one is kept (as vLLM's output collector does): a
+    client that reads slowly holds one output, not a queue of them."""
 
-    request_id: str
-    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
-    finished: bool = False
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._output: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        self._output = output  # replaces one not read yet: it holds everything that one did
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        """The latest output not read yet (waiting for one); raises the stream's error."""
+        await self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        output, self._output = self._output, None
+        self._ready.clear()
+        assert output is not None
+        return output
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while True:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finished:
+            output = await self.get()
+            yield output
+            if output.finished:
                 return
 
 
@@ -86,16 +109,6 @@ _DEATH_GRACE_S = 0.1
 _STOP_TIMEOUT_S = 30.0
 
 
-def _error(kind: str | None, message: str) -> BaseException:
-    if kind == "queue_full":
-        return QueueFullError(message)
-    if kind == "request":
-        return RequestError(message)
-    if kind == "value":
-        return ValueError(message)
-    return RuntimeError(message)
-
-
 def _params_fields(params: SamplingParams) -> dict[str, Any]:
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
 
@@ -104,8 +117,8 @@ class AsyncEngine:
     """`config` is the `EngineConfig` the core builds its engine from; `engine_factory(config)`
     (a picklable callable, default `LLMEngine`) builds it in the core process."""
 
-    def __init__(self, config: Any, tokenizer: Tokenizer | None = None, max_queue_len: int | None = None,
-                 on_step: StepHook | None = None, engine_factory: Callable[[Any], Any] | None = None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None, max_queue_len: int | None = None,
+                 on_step: StepHook | None = None, engine_factory: Callable[[EngineConfig], Any] | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.max_queue_len = max_queue_len
@@ -113,6 +126,7 @@ class AsyncEngine:
         self.engine_factory = engine_factory
         self.error: BaseException | None = None
         self.snapshot = EngineSnapshot()
+        self.vocab_size: int | None = None  # the model's, told by the core when it is ready
         self.core_pid: int | None = None
         self.core_startup: list[dict[str, Any]] = []  # the core's start-up phases, from its Ready
         self._processor = OutputProcessor(tokenizer)
@@ -218,7 +232,7 @@ class AsyncEngine:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
         self._proc = self._ctx = self._input = self._output = self._ipc_dir = None
 
-    async def reload(self, config: Any, tokenizer: Tokenizer | None) -> None:
+    async def reload(self, config: EngineConfig, tokenizer: Tokenizer | None) -> None:
         """Replace the core by one built from `config`, while no request is in flight. The old core
         exits (releasing its memory) before the new one starts; if the new one fails, the old
         configuration is started again and the error is raised."""
@@ -237,7 +251,7 @@ class AsyncEngine:
         finally:
             self._restarting = False
 
-    def _use(self, config: Any, tokenizer: Tokenizer | None) -> None:
+    def _use(self, config: EngineConfig, tokenizer: Tokenizer | None) -> None:
         self.config, self.tokenizer = config, tokenizer
         self._processor = OutputProcessor(tokenizer)
 
@@ -256,28 +270,50 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           priority: int = 0, tenant: str = DEFAULT_TENANT) -> RequestStream:
-        """Admit a request; raises `RequestError`, `QueueFullError`, `ValueError` or `EngineDeadError`."""
+        """Admit one request (a text prompt is tokenized off the event loop); raises
+        `RequestError`, `QueueFullError`, `ValueError` or `EngineDeadError`."""
+        encoded = await asyncio.get_running_loop().run_in_executor(None, encode_prompt, self.tokenizer, prompt)
+        (stream,) = await self.add_requests([request_id], [encoded], params, priority, tenant)
+        return stream
+
+    async def add_requests(self, request_ids: list[str], prompts: list[tuple[str | None, list[int]]],
+                           params: SamplingParams, priority: int = 0,
+                           tenant: str = DEFAULT_TENANT) -> list[RequestStream]:
+        """Admit one request per (text, token ids) prompt, all or none, in one message to the core
+        (so they fit `--max-queue-len` together and none waits for another's step); raises as
+        `add_request`. Nothing stays registered when they are refused or cannot be sent."""
         self._check_alive()
         assert self._loop is not None, "start() first"
-        if request_id in self._streams:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        text, token_ids = encode_prompt(self.tokenizer, prompt)
+        taken = [r for r in request_ids if r in self._streams]
+        if taken or len(set(request_ids)) != len(request_ids):
+            raise RequestError(f"request id {(taken or request_ids)[0]!r} is already in use")
         arrival = time.time()
-        stream = RequestStream(request_id)
+        fields = _params_fields(params)
+        try:  # encoded before anything is registered: a value msgpack cannot carry leaves no trace
+            message = self._encoder.encode(AddRequests([
+                AddRequest(request_id, token_ids, fields, arrival, priority, tenant)
+                for request_id, (_, token_ids) in zip(request_ids, prompts, strict=True)]))
+        except (OverflowError, TypeError, msgspec.EncodeError) as e:
+            raise ValueError(f"the request holds a value the engine core cannot receive: {e}") from None
         admitted: asyncio.Future[None] = self._loop.create_future()
-        self._admissions[request_id] = admitted
-        self._streams[request_id] = stream
-        self._processor.add(request_id, text, token_ids, params, arrival, priority)
-        self._send(AddRequest(request_id, token_ids, _params_fields(params), arrival, priority, tenant))
+        self._admissions[request_ids[0]] = admitted
+        streams = [RequestStream(request_id) for request_id in request_ids]
+        for stream, (text, token_ids) in zip(streams, prompts, strict=True):
+            self._streams[stream.request_id] = stream
+            self._processor.add(stream.request_id, text, token_ids, params, arrival, priority)
+        self._send_encoded(message)
         try:
             await admitted
         except BaseException:
-            self._admissions.pop(request_id, None)
-            self._processor.remove(request_id)
-            if self._streams.pop(request_id, None) is not None and admitted.cancelled():
-                self._send(AbortRequests([request_id]))
+            self._admissions.pop(request_ids[0], None)
+            cancelled = admitted.cancelled()
+            for request_id in request_ids:
+                self._processor.remove(request_id)
+                self._streams.pop(request_id, None)
+            if cancelled and self.error is None:
+                self._send(AbortRequests(request_ids))
             raise
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Stop a request; the core frees its blocks before its next step."""
@@ -298,7 +334,7 @@ class AsyncEngine:
     def abort_all(self) -> None:
         for request_id in list(self._streams):
             stream = self._streams[request_id]
-            stream.queue.put_nowait(EngineDeadError("the server shut down before this request finished"))
+            stream.fail(EngineDeadError("the server shut down before this request finished"))
             self.abort(request_id)
 
     # ---- utility calls (run in the core between steps) -------------------------------------
@@ -337,8 +373,11 @@ class AsyncEngine:
             raise EngineDeadError("the engine core is not running")
 
     def _send(self, msg: Any) -> None:
+        self._send_encoded(self._encoder.encode(msg))
+
+    def _send_encoded(self, message: bytes) -> None:
         assert self._input is not None
-        self._input.send(self._encoder.encode(msg), copy=False)
+        self._input.send(message, copy=False)
 
     async def _read_loop(self) -> None:
         assert self._output is not None
@@ -353,9 +392,10 @@ class AsyncEngine:
                         if msg.error is None:
                             future.set_result(msg.value)
                         else:
-                            future.set_exception(_error(msg.error, msg.message))
+                            future.set_exception(error_of(msg.error, msg.message))
                 elif isinstance(msg, Ready):
                     self.snapshot = msg.snapshot
+                    self.vocab_size = msg.vocab_size
                     self.core_startup = msg.startup
                     self._publish([], None)
                     if self._ready is not None and not self._ready.done():
@@ -377,7 +417,7 @@ class AsyncEngine:
             if ack.error is None:
                 future.set_result(None)
             else:
-                future.set_exception(_error(ack.error, ack.message))
+                future.set_exception(error_of(ack.error, ack.message))
         outputs: list[RequestOutput] = []
         for delta in msg.outputs:
             stream = self._streams.get(delta.request_id)
@@ -386,12 +426,16 @@ class AsyncEngine:
             out, stopped = self._processor.process(delta)
             if out is None:
                 continue
+            if delta.error is not None:  # the core ended this request alone
+                stream.fail(RequestFailedError(f"the engine failed this request: {delta.error}"))
+                del self._streams[delta.request_id]
+                continue
             if stopped and not out.finished:
                 self._send(FinishSeqs(delta.request_id, stopped))
             elif out.finished and not delta.finished:
                 self._send(AbortRequests([delta.request_id]))  # ended here at a stop string
             outputs.append(out)
-            stream.queue.put_nowait(out)
+            stream.put(out)
             if out.finished:
                 stream.finished = True
                 del self._streams[delta.request_id]
@@ -424,7 +468,7 @@ class AsyncEngine:
         logger.error("%s", error)
         self.error = error
         for stream in self._streams.values():
-            stream.queue.put_nowait(error)
+            stream.fail(error)
         self._streams.clear()
         for future in [*self._admissions.values(), *self._calls.values(), self._ready]:
             if future is not None and not future.done():

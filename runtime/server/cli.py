@@ -37,6 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long admitted requests may take to finish before they are aborted")
     g.add_argument("--allowed-model-root", default=None, help="the folder /reload may load models from")
+    g.add_argument("--max-request-body-bytes", type=int, default=8 << 20, metavar="BYTES",
+                   help="larger request bodies get 413 before they are read into memory or parsed (default 8 MiB)")
+    g.add_argument("--header-read-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="close a connection whose request line and headers are not in within this time")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat_template sent in a chat request (in a sandboxed child process, stopped "
+                        "after 2 s); without it such requests get 400 and only the model's template is used")
+    g.add_argument("--enable-docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json (off: the schema lists the admin routes)")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--tuned-config", default=None, metavar="FILE",
                    help="JSON object of live tunables (block_size, preemption_mode, scheduler_policy, "
@@ -83,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
                 admin_token=args.admin_token or os.environ.get("KVPILOT_ADMIN_TOKEN") or None,
                 max_queue_len=args.max_queue_len, disable_log_stats=args.disable_log_stats,
                 metric_interval=args.metric_interval, drain_timeout=args.drain_timeout,
-                allowed_model_root=args.allowed_model_root,
+                allowed_model_root=args.allowed_model_root, max_request_body_bytes=args.max_request_body_bytes,
+                header_read_timeout=args.header_read_timeout,
+                trust_request_chat_template=args.trust_request_chat_template, enable_docs=args.enable_docs,
             )
         except ValueError as e:
             engine.abandon()

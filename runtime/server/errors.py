@@ -18,8 +18,10 @@ logger = logging.getLogger(__name__)
 
 
 def error_response(error: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    headers = dict(error.headers or {})
+    if error.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(error.body(), status_code=error.status, headers=headers or None)
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -44,6 +46,8 @@ def add_error_handlers(app: FastAPI) -> None:
         if error.status_code == 404:
             return error_response(APIError(404, f"no such endpoint: {error.detail}", type="not_found_error",
                                             code="not_found"))
+        if error.status_code == 400 and "parsing the body" in str(error.detail):  # FastAPI's, for bytes json can't read
+            return error_response(APIError(400, "the request body is not valid JSON (UTF-8)", code="invalid_json"))
         return error_response(APIError(error.status_code, str(error.detail), code="invalid_request"))
 
     @app.exception_handler(Exception)

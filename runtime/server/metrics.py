@@ -70,8 +70,9 @@ class TenantLabels:
 
 class ServerMetrics:
     def __init__(self, model_name: str, tenants: list[str] | None = None,
-                 max_tenant_labels: int = MAX_TENANT_LABELS) -> None:
+                 max_tenant_labels: int = MAX_TENANT_LABELS, cache_dtype: str = "auto") -> None:
         self.model_name = model_name
+        self.cache_dtype = cache_dtype  # --kv-cache-dtype, as vLLM's cache_config_info labels it
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
         self.running = Gauge("vllm:num_requests_running", "Requests running on the engine.", m, registry=r)
@@ -93,7 +94,8 @@ class ServerMetrics:
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m, registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", m, registry=r)
         self.cache_info = Gauge("vllm:cache_config_info", "The KV-cache configuration (value 1).",
-                                m + ["block_size", "num_gpu_blocks", "preemption_mode", "enable_prefix_caching"], registry=r)
+                                m + ["block_size", "num_gpu_blocks", "preemption_mode", "enable_prefix_caching",
+                                     "cache_dtype"], registry=r)
         self.iteration_time = Histogram("kvpilot_iteration_time_seconds", "Duration of one engine step.", m,
                                         buckets=_ITERATION_BUCKETS, registry=r)
         self.num_running_seqs = Gauge("kvpilot_num_running_seqs", "Sequences running.", m, registry=r)
@@ -202,7 +204,7 @@ class ServerMetrics:
         for mode in PREEMPTION_MODES:
             self.preemption_mode.labels(name, mode).set(1.0 if mode == snapshot.preemption_mode else 0.0)
         labels = (name, str(snapshot.block_size), str(snapshot.num_blocks), snapshot.preemption_mode,
-                  str(snapshot.enable_prefix_caching).lower())
+                  str(snapshot.enable_prefix_caching).lower(), self.cache_dtype)
         if labels != self._cache_info_labels:
             if self._cache_info_labels is not None:
                 self.cache_info.remove(*self._cache_info_labels)

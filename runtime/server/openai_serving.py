@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvpilot.runtime.errors import RequestError
+from kvpilot.runtime.errors import RequestError, RequestFailedError
 from kvpilot.runtime.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.sched.sequence import DEFAULT_TENANT
@@ -37,21 +37,30 @@ from kvpilot.runtime.server.async_engine import (
     QueueFullError,
     RequestStream,
 )
+from kvpilot.runtime.server.chat_templates import render_chat
 from kvpilot.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.tokenizer import Tokenizer, check_prompt
+
+# a prompt as the engine takes it: its text (None when sent as token ids) and its token ids
+Encoded = tuple[str | None, list[int]]
 
 # a choice of one chunk/response, built from its request's output, one completion (numbered as a
 # choice) and the numbers of characters and tokens of it already sent
 ChoiceBuilder = Callable[[RequestOutput, CompletionOutput, int, int], dict[str, Any]]
+RETRY_AFTER_S = 1  # a 429's Retry-After: the queue moves every engine step
 
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
-                 unavailable: Callable[[], APIError | None]) -> None:
+                 unavailable: Callable[[], APIError | None], max_queue_len: int | None = None,
+                 trust_request_chat_template: bool = False, max_prompt_chars: int = 1 << 23) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.unavailable = unavailable  # why the server takes no new requests now, if it doesn't
+        self.max_queue_len = max_queue_len  # also the most prompts one completions request may hold
+        self.trust_request_chat_template = trust_request_chat_template
+        self.max_prompt_chars = max_prompt_chars  # the most a body can carry: a rendered template's limit
         # the engine's limits a request must fit in (set by the server; max_num_seqs is live-tunable)
         self.max_model_len: int | None = None
         self.max_num_seqs: int | None = None
@@ -60,29 +69,28 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request, tenant: str = DEFAULT_TENANT) -> Response:
         self._check_model(body.model)
+        self._check_available()
         params = _to_params(body.to_sampling_params)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions "
                            "with prompt token ids", param="messages", code="no_chat_template")
         try:
             messages = [m.as_template_input() for m in body.messages]
-            prompt = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, chat_template=body.chat_template)
         except ValueError as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
-        except Exception as e:  # noqa: BLE001 - jinja errors in a user's template or messages
-            raise APIError(400, f"the chat template could not be applied: {e}", param="messages",
-                           code="invalid_value") from None
+        prompt = await render_chat(self.tokenizer, messages, body.add_generation_prompt, body.chat_template,
+                                   self.trust_request_chat_template, self.max_prompt_chars)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         top = body.top_logprobs or 0
         return await self._serve(request_id, [prompt], params, body.priority, raw, body.stream, body.include_usage,
                                  body.stream_options is not None and body.stream_options.continuous_usage_stats,
                                  "chat.completion",
                                  lambda _out, c, chars, tokens: self._chat_choice(c, chars, tokens, top, body.stream),
-                                 tenant=tenant)
+                                 tenant=tenant, prompt_field="messages")
 
     async def completions(self, body: CompletionRequest, raw: Request, tenant: str = DEFAULT_TENANT) -> Response:
         self._check_model(body.model)
+        self._check_available()
         params = _to_params(body.to_sampling_params)
         prompts = _to_params(body.prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -104,14 +112,17 @@ class OpenAIServing:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
 
-    async def _serve(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int,
-                     raw: Request, stream: bool, include_usage: bool, continuous_usage: bool, kind: str,
-                     choice: ChoiceBuilder, tenant: str = DEFAULT_TENANT, prompt_only: bool = False) -> Response:
+    def _check_available(self) -> None:
         refusal = self.unavailable()
         if refusal is not None:
             raise refusal
-        prompts = [self._within_limits(prompt, params) for prompt in prompts]
-        streams = await self._admit_all(request_id, prompts, params, priority, tenant)
+
+    async def _serve(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int,
+                     raw: Request, stream: bool, include_usage: bool, continuous_usage: bool, kind: str,
+                     choice: ChoiceBuilder, tenant: str = DEFAULT_TENANT, prompt_only: bool = False,
+                     prompt_field: str = "prompt") -> Response:
+        encoded = await self._within_limits(prompts, params, prompt_field)
+        streams = await self._admit(request_id, encoded, params, priority, tenant)
         created = int(time.time())
         view = _without_generated if prompt_only else None
         if stream:
@@ -131,47 +142,77 @@ class OpenAIServing:
             "usage": _usage(finals),
         })
 
-    def _within_limits(self, prompt: str | list[int], params: SamplingParams) -> str | list[int]:
-        """Refuses what the engine could never serve: more samples than it runs sequences at once, or
-        a prompt plus `max_tokens` beyond the context (OpenAI's and vLLM's 400). A text prompt is
-        tokenized here for that, and handed on as token ids."""
+    async def _within_limits(self, prompts: list[str | list[int]], params: SamplingParams,
+                             prompt_field: str) -> list[Encoded]:
+        """Refuses, before the engine core sees it, what it could never serve: more prompts than
+        its queue holds, more samples than it runs at once, token ids or `top_k` beyond the
+        vocabulary, a prompt plus `max_tokens` beyond the context (OpenAI's and vLLM's 400). Text
+        prompts are tokenized here, off the event loop, after a length check that needs no
+        tokenizing; the prompts are handed on as (text, token ids)."""
+        if self.max_queue_len is not None and len(prompts) > self.max_queue_len:
+            raise APIError(400, f"{prompt_field}: {len(prompts)} prompts exceed this server's queue "
+                           f"(--max-queue-len {self.max_queue_len}); send at most that many per request",
+                           param=prompt_field, code="invalid_value")
         if self.max_num_seqs is not None and params.n > self.max_num_seqs:
             raise APIError(400, f"n: {params.n} samples per request exceed this server's max_num_seqs "
                            f"({self.max_num_seqs}), the most sequences it runs at once", param="n",
                            code="invalid_value")
-        if params.max_tokens is None or self.max_model_len is None:
-            return prompt
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                return prompt
-            prompt = self.tokenizer.encode(prompt)
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                           f"request asks for {len(prompt) + params.max_tokens} ({len(prompt)} in the prompt, "
+        vocab_size = self.engine.vocab_size
+        if vocab_size is not None:
+            _to_params(lambda: params.check_vocab(vocab_size))
+        encoded = await self._encode(prompts, prompt_field)
+        for _, token_ids in encoded:
+            self._check_context(token_ids, params, vocab_size, prompt_field)
+        return encoded
+
+    async def _encode(self, prompts: list[str | list[int]], prompt_field: str) -> list[Encoded]:
+        tokenizer = self.tokenizer
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts and tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send prompt token ids instead of text",
+                           param=prompt_field, code="invalid_prompt")
+        if texts and tokenizer is not None and self.max_model_len is not None:
+            longest = max(texts, key=len)
+            at_least = tokenizer.min_num_tokens(longest)
+            if at_least >= self.max_model_len:
+                raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but "
+                               f"the prompt has at least {at_least} ({len(longest)} characters)",
+                               param=prompt_field, code="context_length_exceeded")
+        ids: list[list[int]] = []
+        if texts and tokenizer is not None:
+            try:
+                ids = await asyncio.get_running_loop().run_in_executor(None, lambda: [tokenizer.encode(t) for t in texts])
+            except Exception as e:  # noqa: BLE001 - text the tokenizer cannot take (a lone surrogate)
+                raise APIError(400, f"the prompt could not be tokenized: {e}", param=prompt_field,
+                               code="invalid_prompt") from None
+        encoded_texts = iter(zip(texts, ids, strict=True))
+        return [next(encoded_texts) if isinstance(p, str) else (None, list(p)) for p in prompts]
+
+    def _check_context(self, token_ids: list[int], params: SamplingParams, vocab_size: int | None,
+                       prompt_field: str) -> None:
+        max_len = self.max_model_len
+        if max_len is None or vocab_size is None:
+            return
+        try:
+            check_prompt(token_ids, vocab_size, max_len)
+        except RequestError as e:
+            code = "context_length_exceeded" if "context length" in str(e) else "invalid_prompt"
+            raise APIError(400, str(e), param=prompt_field, code=code) from None
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_len:
+            raise APIError(400, f"this model's maximum context length is {max_len} tokens, but the "
+                           f"request asks for {len(token_ids) + params.max_tokens} ({len(token_ids)} in the prompt, "
                            f"{params.max_tokens} to generate); shorten the prompt or lower max_tokens",
                            param="max_tokens", code="context_length_exceeded")
-        return prompt
 
-    async def _admit_all(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams,
-                         priority: int, tenant: str) -> list[RequestStream]:
-        """One engine request a prompt, all admitted or none: a refusal aborts those already in."""
-        streams: list[RequestStream] = []
+    async def _admit(self, request_id: str, prompts: list[Encoded], params: SamplingParams, priority: int,
+                     tenant: str) -> list[RequestStream]:
+        """One engine request a prompt, admitted together, all or none."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         try:
-            for i, prompt in enumerate(prompts):
-                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self._admit(sub_id, prompt, params, priority, tenant))
-        except BaseException:
-            for admitted in streams:
-                self.engine.abort(admitted.request_id)
-            raise
-        return streams
-
-    async def _admit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     priority: int, tenant: str) -> RequestStream:
-        try:
-            return await self.engine.add_request(request_id, prompt, params, priority, tenant)
+            return await self.engine.add_requests(ids, prompts, params, priority, tenant)
         except QueueFullError as e:
-            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineDeadError as e:
             raise APIError(500, str(e), type="internal_error", code="engine_dead") from None
         except RequestError as e:
@@ -183,32 +224,27 @@ class OpenAIServing:
 
     async def _collect(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput] | None:
         """Each stream's final output, in order; None if the client went away first."""
-        async def last(outputs: RequestStream) -> RequestOutput:
-            final = None
-            async for out in outputs:
-                final = out
-            assert final is not None
-            return final
+        async def finals() -> list[RequestOutput]:
+            return [await _last(s) for s in streams]
 
-        finals = [asyncio.ensure_future(last(s)) for s in streams]
-        result = asyncio.gather(*finals)
+        collecting = asyncio.ensure_future(finals())
         disconnect = asyncio.ensure_future(_wait_for_disconnect(raw))
-        either: set[asyncio.Future[Any]] = {result, disconnect}
         try:
-            done, _ = await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({collecting, disconnect}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            collecting.cancel()
             disconnect.cancel()
-            for final in finals:  # the others, once one failed or the client left
-                final.cancel()
             for s in streams:  # a no-op for a finished one
                 if not s.finished:
                     self.engine.abort(s.request_id)
-        if result not in done:
+        if collecting not in done:
             return None
         try:
-            return result.result()
+            return collecting.result()
         except EngineDeadError as e:
             raise APIError(500, str(e), type="internal_error", code="engine_dead") from None
+        except RequestFailedError as e:
+            raise APIError(500, str(e), type="internal_error", code="request_failed") from None
 
     async def _stream(self, request_id: str, streams: list[RequestStream], n: int, created: int, kind: str,
                       choice: ChoiceBuilder, include_usage: bool, continuous_usage: bool,
@@ -251,8 +287,9 @@ class OpenAIServing:
                     yield event(choices, _usage(last.values()) if continuous_usage else None)
             if include_usage and last:
                 yield event([], _usage(last.values()))
-        except EngineDeadError as e:
-            yield f"data: {json.dumps(APIError(500, str(e), type='internal_error', code='engine_dead').body())}\n\n"
+        except (EngineDeadError, RequestFailedError) as e:
+            code = "engine_dead" if isinstance(e, EngineDeadError) else "request_failed"
+            yield f"data: {json.dumps(APIError(500, str(e), type='internal_error', code=code).body())}\n\n"
         finally:
             for s in streams:
                 if not s.finished:  # cancelled: the client went away or the server stops
@@ -311,7 +348,10 @@ class OpenAIServing:
                              top: int | None = None) -> dict[str, Any]:
         """OpenAI's legacy logprobs of `token_ids` (an entry of None, the prompt's first token, is
         null); each top list holds the token and the alternatives ranked up to `top` (all: None)."""
-        tokens, token_logprobs, tops, offsets = [], [], [], []
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         for token_id, entry in zip(token_ids, logprobs, strict=False):
             token = self._token_text(token_id)
             tokens.append(token)
@@ -341,36 +381,36 @@ class OpenAIServing:
         return self.tokenizer.convert_id(token_id)
 
 
+async def _last(stream: RequestStream) -> RequestOutput:
+    final = None
+    async for out in stream:
+        final = out
+    assert final is not None
+    return final
+
+
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The outputs of every stream as they come, each with its stream's position; the first
-    error of any stream is raised."""
+    error of any stream is raised. Each stream keeps only its latest output, so neither a slow
+    reader nor many prompts make this hold more than one output a stream."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
-            queue.put_nowait((i, e))
-        queue.put_nowait((i, None))
-
-    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    waiting = {asyncio.ensure_future(s.get()): i for i, s in enumerate(streams)}
     try:
-        open_streams = len(streams)
-        while open_streams:
-            i, item = await queue.get()
-            if item is None:
-                open_streams -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = waiting.pop(task)
+                out = task.result()
+                if not out.finished:
+                    waiting[asyncio.ensure_future(streams[i].get())] = i
+                yield i, out
     finally:
-        for task in pumps:
+        for task in waiting:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: the first error is the one raised
             task.cancel()
 
 

@@ -2,7 +2,8 @@
 
 Fields follow OpenAI's API plus vLLM's extra sampling fields (`top_k`, `min_p`,
 `repetition_penalty`, ...). Unknown fields are ignored, as OpenAI clients send `extra_body`
-freely; wrong types are rejected (the server turns pydantic's errors into a 400). OpenAI fields
+freely; wrong types are rejected (the server turns pydantic's errors into a 400), and so are
+numbers that are not finite (`NaN`, `Infinity`) and names longer than `MAX_NAME_CHARS`. OpenAI fields
 that change what a client gets back and that this server cannot honour (tool calls, a JSON
 response format, `logit_bias`, `suffix`, `prompt_logprobs` on chat) are refused with a 400
 naming the field, never ignored: a client relying on them would otherwise take plain text for
@@ -19,26 +20,32 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvpilot.runtime.sampling_params import SamplingParams
+from kvpilot.runtime.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+
+MAX_NAME_CHARS = 256  # `model`, `user`: names, echoed in errors and metric labels
+MAX_CHAT_TEMPLATE_CHARS = 1 << 17  # a request's own chat template (--trust-request-chat-template)
 
 
 class APIError(Exception):
     """An error a client can cause, answered as OpenAI's error JSON with `status`."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. a 429's Retry-After
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
+
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -46,9 +53,9 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by chat and completions requests."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: str | None = None
+    model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -58,7 +65,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     # vLLM's extra sampling fields
     top_k: int = 0
     min_p: float = 0.0
@@ -69,7 +76,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's scheduling extra: lower runs first under --scheduler-policy priority (ignored otherwise)
-    priority: int = 0
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     logit_bias: dict[str, float] | None = None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
@@ -106,7 +113,7 @@ class _SamplingFields(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -135,7 +142,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    chat_template: str | None = None
+    chat_template: str | None = Field(default=None, max_length=MAX_CHAT_TEMPLATE_CHARS)
     # refused unless they ask for nothing this server cannot do (no tool-call parser, no guided decoding)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

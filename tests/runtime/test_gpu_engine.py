@@ -1,8 +1,9 @@
 """The engine on CUDA, through the Triton kernels and decode CUDA graphs: greedy output equals HF
 transformers (CPU, float32) token for token on tiny random models, at every block size, with
 chunked prefill, padded graph batches and a live block-size change (graphs recaptured); eager mode
-gives the same tokens; a bf16 engine finishes a mixed batch and returns every block. Skipped
-without CUDA (CI has none: these run on a GPU machine, `benchmarks/run_on_gpu.sh`)."""
+gives the same tokens; a bf16 engine finishes a mixed batch and returns every block; an FP8 KV
+cache keeps its tokens through block-size switches and swaps. Skipped without CUDA (CI has none:
+these run on a GPU machine, `benchmarks/run_on_gpu.sh`)."""
 
 from __future__ import annotations
 
@@ -198,3 +199,53 @@ def test_a_live_raise_of_max_num_seqs_captures_graphs_for_the_larger_batch(model
         llm.engine.update_config({"max_num_batched_tokens": 1024, "max_num_seqs": 2})
     assert llm.engine.live_config() == before
     assert_all_blocks_free(llm)
+
+
+def test_fp8_kv_cache_on_cuda_keeps_its_tokens_through_switches_and_swaps(models) -> None:
+    """--kv-cache-dtype fp8 on CUDA (decode graphs, the TMA kernel where it reads the cache): the
+    first token agrees with HF's float32 one wherever HF's top two logits are 0.3 apart (the tiny
+    model's near-ties may flip under FP8, as under any rounding); block-size switches
+    mid-generation, and swap preemptions in a tight engine, give exactly the tokens of a run
+    without them (their copies move the FP8 bytes unchanged)."""
+    folder, hf = models["llama"]
+    batch = prompts(5, [5, 40, 120, 33])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(folder, device="cuda", dtype="float32", max_model_len=256, block_size=16, kv_cache_dtype="fp8",
+              gpu_memory_utilization=0.2)
+    runner, engine = llm.engine.runner, llm.engine
+    assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn and runner.graphs is not None
+    assert runner.kv_scales_source is not None and runner.kv_scales_source.startswith("measured")
+    expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)]
+    clear = 0
+    for prompt, tokens in zip(batch, expected, strict=True):
+        with torch.no_grad():
+            top = hf(torch.tensor([prompt])).logits[0, -1].topk(2)  # type: ignore[operator]
+        if top.values[0] - top.values[1] > 0.3:
+            assert tokens[0] == top.indices[0].item()
+            clear += 1
+    assert clear >= 2
+    assert runner.graphs.replays > 0
+    for i, p in enumerate(batch):
+        engine.add_request(str(i), p, params)
+    done: dict[str, list[int]] = {}
+    for step in range(100):
+        if step in (3, 6, 9, 12):
+            engine.update_config({"block_size": {3: 8, 6: 64, 9: 32, 12: 16}[step]})
+            assert engine.last_relayout is not None and engine.last_relayout.preempted == []
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        if not engine.has_unfinished_requests():
+            break
+    assert [done[str(i)] for i in range(len(batch))] == expected
+    assert_all_blocks_free(llm)
+    del llm, runner, engine
+    torch.cuda.empty_cache()
+    tight = LLM(folder, device="cuda", dtype="float32", max_model_len=256, block_size=16, kv_cache_dtype="fp8",
+                num_gpu_blocks_override=17, preemption_mode="swap", swap_space=0.01, max_num_seqs=4,
+                gpu_memory_utilization=0.2)
+    swapped_out = []
+    swap = tight.engine.runner.swap_blocks
+    tight.engine.runner.swap_blocks = lambda out, back: swapped_out.append(len(out)) or swap(out, back)  # type: ignore[method-assign]
+    outs = tight.generate([{"prompt_token_ids": p} for p in batch], params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert sum(swapped_out) > 0
+    assert_all_blocks_free(tight)

@@ -2,7 +2,8 @@
 front): each request emits one token per step and finishes after NUM_TOKENS. The prompt decides
 the behaviour, since the fake lives in another process: "crash" makes the next step raise,
 "explode" fails admission with a non-ValueError, "hold" keeps the request waiting unscheduled,
-and "die" kills the core's process outright."""
+"fail" ends the request alone with an error (as `LLMEngine` ends one whose sampling raised), and
+"die" kills the core's process outright."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.sched.sequence import DEFAULT_TENANT, Request, SequenceStatus
 
 NUM_TOKENS = 3
-TOKENS = {"hi": 1, "crash": 2, "explode": 3, "hold": 4, "die": 5}
+TOKENS = {"hi": 1, "crash": 2, "explode": 3, "hold": 4, "die": 5, "fail": 6}
 
 
 class FakeEngine:
@@ -31,6 +32,7 @@ class FakeEngine:
             scheduler=SimpleNamespace(preemption_mode="recompute"),
             model=SimpleNamespace(max_model_len=64), device=SimpleNamespace(device="cpu"))
         self.last_step = None
+        self.vocab_size = 32
         self.num_steps = 0
         self.aborted: list[str] = []
         self._seq_ids = itertools.count()
@@ -77,6 +79,13 @@ class FakeEngine:
             if r.prompt_token_ids == [TOKENS["die"]]:
                 os.kill(os.getpid(), signal.SIGKILL)
             if r.prompt_token_ids == [TOKENS["hold"]]:
+                continue
+            if r.prompt_token_ids == [TOKENS["fail"]]:
+                r.error = "RuntimeError: sampling this request failed"
+                r.seqs[0].finish_reason, r.seqs[0].status = "error", SequenceStatus.FINISHED
+                del self.requests[request_id]
+                self.block_manager.num_free_blocks += 1
+                outputs.append(self.make_output(r))
                 continue
             r.metrics.first_scheduled_time = 1.0
             seq = r.seqs[0]

@@ -13,9 +13,12 @@ from typing import Any
 import torch
 
 
-def write_fp8_checkpoint(source: str | Path, folder: Path, preset: str, calibration: list[list[int]]) -> Path:
+def write_fp8_checkpoint(source: str | Path, folder: Path, preset: str, calibration: list[list[int]],
+                         ignore: tuple[str, ...] = ()) -> Path:
     """The HF model at `source` quantized with compressed-tensors' `preset` (FP8_DYNAMIC: per-channel
-    weights, per-token activations; FP8: per-tensor weights and static input scales) into `folder`."""
+    weights, per-token activations; FP8: per-tensor weights and static input scales) into `folder`,
+    leaving the LM head and the modules `ignore` names (compressed-tensors' spelling: names or
+    `re:` patterns) unquantized."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -28,7 +31,7 @@ def write_fp8_checkpoint(source: str | Path, folder: Path, preset: str, calibrat
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     peaks = _input_peaks(model, calibration)
     config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
-                                ignore=["lm_head"])
+                                ignore=["lm_head", *ignore])
     apply_quantization_config(model, config)
     with torch.no_grad():
         for name, module in model.named_modules():

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.kernels.ops import Ops, StepPlan
+from kvpilot.runtime.executor.kv_scales import checkpoint_scale, scalar
 from kvpilot.runtime.executor.models import architecture_of
 from kvpilot.runtime.executor.parallel import TPInfo
 from kvpilot.runtime.executor.quant.base import Linear, QuantizedInput, WeightSource
@@ -116,6 +117,8 @@ class AttentionMetadata:
 
 
 class DecoderLayer(nn.Module):
+    kv_scales: torch.Tensor
+
     def __init__(self, cfg: LlamaConfig, tp: TPInfo, method_for: MethodFor, prefix: str) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
@@ -134,6 +137,8 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(self.intermediate, [hidden], bias=False, parallel="row", tp=tp,
                                 method=method_for([f"{prefix}.mlp.down_proj"]))
         self.scale = cfg.head_dim ** -0.5
+        # (k_scale, v_scale) of an FP8 KV cache (executor/kv_scales.py); unused by other caches
+        self.register_buffer("kv_scales", torch.ones(2, dtype=torch.float32), persistent=False)
 
     def attention(self, h: torch.Tensor | QuantizedInput, kv_cache: tuple[torch.Tensor, torch.Tensor],
                   plan: StepPlan, ops: Ops) -> torch.Tensor:
@@ -146,8 +151,8 @@ class DecoderLayer(nn.Module):
         k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, head_dim)
         v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, head_dim)
         k_cache, v_cache = kv_cache
-        ops.rotary_and_write_kv(q, k, v, k_cache, v_cache, plan)
-        out = ops.paged_attention(q, k_cache, v_cache, plan, self.scale)  # (T, H, D)
+        ops.rotary_and_write_kv(q, k, v, k_cache, v_cache, plan, self.kv_scales)
+        out = ops.paged_attention(q, k_cache, v_cache, plan, self.scale, self.kv_scales)  # (T, H, D)
         return self.tp.all_reduce(self.o_proj(self.o_proj.prepared_input(ops, out.reshape(num_tokens, q_size))))
 
     def mlp(self, h: torch.Tensor | QuantizedInput, ops: Ops) -> torch.Tensor:
@@ -172,6 +177,12 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, method_for, f"model.layers.{i}") for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.vocab_per_rank, bias=False)
+        self.kv_scales_from_checkpoint = False
+
+    def set_kv_scales(self, scales: torch.Tensor) -> None:
+        """Every layer's (k_scale, v_scale), (num_layers, 2) or (2,) for all, from any device."""
+        for i, layer in enumerate(cast(list[DecoderLayer], self.layers)):
+            layer.kv_scales.copy_(scales if scales.dim() == 1 else scales[i])
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -241,13 +252,19 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """Copy this rank's part of each HF-named tensor into the model (the linear layers' through
-        their method); every parameter element must be filled exactly once."""
+        their method); every parameter element must be filled exactly once. KV-cache scales
+        (kv_scales.py) go to their layers."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         filled: dict[str, int] = {}
+        kv: dict[tuple[int, str], float] = {}
         for hf_name, source in weights:
             name = hf_name.removeprefix("model.")
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            scale_of = checkpoint_scale(name)
+            if scale_of is not None:
+                kv[scale_of] = scalar(hf_name, source.read())
                 continue
             where = self._placement(name)
             linear = modules.get(where.linear) if where.linear else None
@@ -274,6 +291,7 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in params if filled.get(n, 0) != expected_fill[n]]
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {', '.join(sorted(missing)[:8])}")
+        self._load_kv_scales(kv)
         self.process_weights_after_loading()
 
     def linears(self) -> list[Linear]:
@@ -283,6 +301,22 @@ class LlamaForCausalLM(nn.Module):
         """Once every weight is in (loaded or random): each linear method's last step."""
         for linear in self.linears():
             linear.method.process_after_loading(linear)
+
+    def _load_kv_scales(self, found: dict[tuple[int, str], float]) -> None:
+        """The checkpoint's KV-cache scales, found[(layer, "k" | "v" | "kv")], into the layers:
+        all of them or none."""
+        found = {key: value for key, value in found.items() if key[1] != "q"}
+        if not found:
+            return
+        scales = torch.ones(self.cfg.num_layers, 2)
+        for i in range(self.cfg.num_layers):
+            both = found.get((i, "kv"))
+            k, v = found.get((i, "k"), both), found.get((i, "v"), both)
+            if k is None or v is None:
+                raise ValueError(f"the checkpoint holds KV-cache scales for some layers but not both for layer {i}")
+            scales[i] = torch.tensor([k, v])
+        self.set_kv_scales(scales)
+        self.kv_scales_from_checkpoint = True
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,11 @@ def fp8(specs: list[tuple[int, int]], block_size: int, device: torch.device, hea
 
 
 def dequantised(batch: tuple, scales: torch.Tensor) -> tuple:
-    """The batch with its FP8 caches de-quantised into q's dtype: what the kernels must attend over."""
+    """The batch with its FP8 caches de-quantised into q's dtype: what the kernels must attend over
+    (NaN-poisoned slots zeroed: the reference multiplies masked scores by the values all the same)."""
     q, k_cache, v_cache, *rest = batch
-    return (q, dequantize(k_cache, scales[0], q.dtype), dequantize(v_cache, scales[1], q.dtype), *rest)
+    return (q, *(dequantize(c, s, q.dtype).nan_to_num(0.0) for c, s in ((k_cache, scales[0]), (v_cache, scales[1]))),
+            *rest)
 
 
 def test_the_reference_attends_over_the_dequantised_caches(device: torch.device) -> None:

@@ -3,7 +3,8 @@ small cache): arrivals, aborts, steps, preemptions in both modes, swaps, and blo
 both directions. After every step no block is leaked or double-owned; across every change each
 kept sequence's cached K/V is bit-for-bit what it was; every request finishes with the tokens it
 gets without any change (greedy, alone on a roomy engine). A second machine runs the same with
-async scheduling forced on: every rule then meets a step in flight."""
+async scheduling forced on: every rule then meets a step in flight; a third with an FP8 KV cache,
+whose bytes every copy must keep as they are."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def token_kv(engine: LLMEngine, seq: Sequence) -> torch.Tensor:
     caches = runner.swap_space.host_kv_caches() if swapped else runner.kv_caches
     blocks = torch.tensor([table[p // bs] for p in range(n)], dtype=torch.long)
     offsets = torch.arange(n) % bs
-    return torch.stack([c[blocks, offsets] for kv in caches for c in kv]).clone()
+    # as bytes: FP8 caches compare bit for bit too (the swap space holds them as bytes already)
+    return torch.stack([c.view(torch.uint8)[blocks, offsets] for kv in caches for c in kv]).clone()
 
 
 class BlockSwitchMachine(RuleBasedStateMachine):
@@ -52,6 +54,7 @@ class BlockSwitchMachine(RuleBasedStateMachine):
     reference: dict[tuple[int, ...], list[int]] = {}
     reference_llm: LLM | None = None
     async_scheduling = False
+    kv_cache_dtype = "auto"
 
     @initialize(blocks=st.sampled_from([8, 10, 12]), block_size=st.sampled_from(BLOCK_SIZES),
                 prefix=st.booleans(), mode=st.sampled_from(["recompute", "swap"]),
@@ -65,7 +68,7 @@ class BlockSwitchMachine(RuleBasedStateMachine):
         self.llm = LLM(self.folder, max_model_len=MAX_LEN, num_gpu_blocks_override=blocks * 16 // block_size,
                        block_size=block_size, max_num_seqs=6, preemption_mode=mode, max_num_batched_tokens=MAX_LEN,
                        swap_space=96 * BYTES_PER_TOKEN / (1 << 30), enable_prefix_caching=prefix,
-                       async_scheduling=self.async_scheduling)
+                       async_scheduling=self.async_scheduling, kv_cache_dtype=self.kv_cache_dtype)
         self.engine = self.llm.engine
         self.wanted: dict[str, tuple[list[int], int]] = {}
         self.done: dict[str, list[int]] = {}
@@ -184,7 +187,7 @@ class BlockSwitchMachine(RuleBasedStateMachine):
         if key not in self.reference:
             cls = type(self)
             if cls.reference_llm is None:
-                cls.reference_llm = LLM(self.folder, max_model_len=MAX_LEN)
+                cls.reference_llm = LLM(self.folder, max_model_len=MAX_LEN, kv_cache_dtype=self.kv_cache_dtype)
             out = cls.reference_llm.generate({"prompt_token_ids": prompt},
                                              SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
             self.reference[key] = out[0].outputs[0].token_ids
@@ -195,10 +198,20 @@ class AsyncBlockSwitchMachine(BlockSwitchMachine):
     async_scheduling = True
 
 
-# async scheduling (a step in flight at every rule) reruns a few examples of the same machine
+class Fp8BlockSwitchMachine(BlockSwitchMachine):
+    """The same with an FP8 KV cache (its scales measured at start, the same in every engine of
+    the tiny model), against FP8 references."""
+
+    reference: dict[tuple[int, ...], list[int]] = {}
+    reference_llm: LLM | None = None
+    kv_cache_dtype = "fp8"
+
+
+# async scheduling (a step in flight at every rule) and an FP8 cache rerun a few examples each
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("machine", "max_examples"), [(BlockSwitchMachine, 25), (AsyncBlockSwitchMachine, 6)],
-                         ids=["sync", "async"])
+@pytest.mark.parametrize(("machine", "max_examples"),
+                         [(BlockSwitchMachine, 25), (AsyncBlockSwitchMachine, 6), (Fp8BlockSwitchMachine, 4)],
+                         ids=["sync", "async", "fp8"])
 def test_block_size_changes_under_random_traffic(tiny_models, machine: type[BlockSwitchMachine],
                                                  max_examples: int) -> None:
     machine.folder = tiny_models["llama"][0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,7 @@ def test_metrics_has_both_families_and_moves_as_requests_run(server: RunningServ
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
                  "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count"]:
         assert name in before, name
-    assert any(k.startswith("vllm:cache_config_info{block_size=16") for k in before)
+    assert any(k.startswith("vllm:cache_config_info{block_size=16,cache_dtype=auto") for k in before)
     assert before["kvpilot_block_size"] == 16 and before["kvpilot_preemption_mode{mode=recompute}"] == 1
 
     reply = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5)
@@ -146,24 +147,29 @@ def test_full_queue_answers_429(server: RunningServer, client: openai.OpenAI) ->
         server.wait_until(lambda: server.health()["waiting_seqs"] == 2, what="two waiting")
         with pytest.raises(openai.RateLimitError) as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
-        assert info.value.code == "queue_full"
+        assert info.value.code == "queue_full" and info.value.response.headers["retry-after"] == "1"
     server.wait_until(lambda: _idle(server), timeout=5, what="idle after aborting the queue")
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices
 
 
 def test_several_prompts_beyond_the_queue_are_refused_whole(server: RunningServer, client: openai.OpenAI) -> None:
-    # two run; of three prompts two would fit the queue: the request is refused and none of them stays
+    # two run, one waits; of two prompts one would fit the queue (2): the request is refused whole,
+    # none of its prompts is admitted, and the core is asked once
     with ExitStack() as stack, httpx.Client(base_url=server.base_url, timeout=60) as http:
         running = [_open_stream(stack, http, LONG) for _ in range(2)]
         for lines in running:
             next(line for line in lines if line.startswith("data:"))
+        _open_stream(stack, http, LONG)
+        server.wait_until(lambda: server.health()["waiting_seqs"] == 1, what="one waiting")
         with pytest.raises(openai.RateLimitError) as info:
-            client.completions.create(model=MODEL, prompt=["one", "two", "three"], max_tokens=1)
-        assert info.value.code == "queue_full"
-        # the two admitted first were aborted with it, while the streams still run
-        server.wait_until(lambda: server.health()["waiting_seqs"] == 0, timeout=5, what="the admitted prompts aborted")
-        assert server.health()["running_seqs"] == 2
+            client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=1)
+        assert info.value.code == "queue_full" and info.value.response.headers["retry-after"] == "1"
+        health = server.health()
+        assert health["waiting_seqs"] == 1 and health["running_seqs"] == 2 and health["pending_requests"] == 3
     server.wait_until(lambda: _idle(server), timeout=5, what="idle after the streams closed")
+    with pytest.raises(openai.BadRequestError) as bad:  # more prompts than the queue could ever hold
+        client.completions.create(model=MODEL, prompt=["one", "two", "three"], max_tokens=1)
+    assert bad.value.param == "prompt" and "--max-queue-len 2" in bad.value.message
     assert len(client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=1).choices) == 2
 
 
@@ -230,8 +236,13 @@ def test_reload_refuses_paths_outside_the_allowed_root(server: RunningServer) ->
 
 def test_reload_swaps_the_model_between_requests(server: RunningServer, client: openai.OpenAI,
                                                  smol_folder: str) -> None:
-    reply = _reload(server, {"model_path": smol_folder, "served_model_name": "smol-reloaded"})
-    assert reply.status_code == 200, reply.text
+    # two reloads at once: one swaps the model, the other is refused while it runs
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(_reload, [server] * 2, [{"model_path": smol_folder,
+                                                         "served_model_name": "smol-reloaded"}] * 2))
+    assert sorted(r.status_code for r in replies) == [200, 409], [r.text for r in replies]
+    reply = next(r for r in replies if r.status_code == 200)
+    assert next(r for r in replies if r.status_code == 409).json()["error"]["code"] == "conflict"
     assert reply.json()["model"] == "smol-reloaded"
     assert [m.id for m in client.models.list().data] == ["smol-reloaded"]
     answer = client.chat.completions.create(model="smol-reloaded", temperature=0, max_tokens=16,
