@@ -10,6 +10,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from kvpilot.runtime.tunables import Tunable
+
 
 def checked(parse: Callable[[str], float], ok: Callable[[float], bool], rule: str) -> Callable[[str], Any]:
     """An argparse type: parse the text, then require `ok(value)`; errors say `rule`."""
@@ -36,3 +38,13 @@ non_negative_int = checked(int, lambda v: v >= 0, "a non-negative integer")
 positive_float = checked(_finite, lambda v: v > 0, "a positive number")
 non_negative_float = checked(_finite, lambda v: v >= 0, "a number >= 0")
 fraction = checked(_finite, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
+def tunable_value(tunable: Tunable) -> Callable[[str], Any]:
+    """An argparse type for a live tunable: its value by the contract's rule (`tunables.py`)."""
+    def convert(text: str) -> Any:
+        try:
+            return tunable.check(tunable.kind(text))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {tunable.rule}, not {text!r}") from None
+    return convert

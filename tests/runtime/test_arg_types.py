@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from kvpilot.bench import flags
+from kvpilot.bench import autotune, flags
 from kvpilot.runtime import arg_types
 from kvpilot.runtime.args import add_engine_arguments
+from kvpilot.runtime.tunables import MAX_NUM_SEQS
 
 
 @pytest.mark.parametrize(("kind", "text", "value"), [
@@ -47,10 +48,14 @@ def test_a_value_outside_the_rule_is_refused_naming_it(kind: Callable[[str], Any
 
 
 def test_the_benchmarks_and_the_engine_flags_refuse_alike(capsys: pytest.CaptureFixture[str]) -> None:
-    engine = argparse.ArgumentParser(prog="kvpilot serve")
-    add_engine_arguments(engine)
-    with pytest.raises(SystemExit):
-        engine.parse_args(["--max-num-seqs", "0"])
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "kvpilot serve: error: argument --max-num-seqs: must be a positive integer, not '0'")
+    """A live tunable is held to the tunables contract's rule by `kvpilot serve` and `kvpilot bench
+    autotune` (whose grid gives the servers its values) in the same words."""
+    refusals = []
+    for prog, add in (("kvpilot serve", add_engine_arguments), ("kvpilot bench autotune", autotune.add_arguments)):
+        parser = argparse.ArgumentParser(prog=prog)
+        add(parser)
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-num-seqs", "0"])
+        refusals.append(capsys.readouterr().err.strip().splitlines()[-1].removeprefix(f"{prog}: error: "))
+    assert refusals == [f"argument --max-num-seqs: must be an integer from 1 to {MAX_NUM_SEQS.maximum}, not '0'"] * 2
     assert flags.positive_int is arg_types.positive_int and flags.positive_float is arg_types.positive_float
