@@ -1,6 +1,7 @@
 """argparse types shared by the runtime's flags (`args.py`) and the benchmark CLI's
 (`kvpilot.bench.flags`): a value is parsed, then held to a rule; a bad one fails with one line that
-names the rule (argparse adds the flag). No torch: the CLI builds its parsers before anything heavy
+names the rule (argparse adds the flag). A live tunable's flag takes its rule from the tunables
+contract, wherever the flag is spelled. No torch: the CLI builds its parsers before anything heavy
 is imported."""
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ non_negative_float = checked(_finite, lambda v: v >= 0, "a number >= 0")
 fraction = checked(_finite, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
-def tunable_value(tunable: Tunable) -> Callable[[str], Any]:
-    """An argparse type for a live tunable: its value by the contract's rule (`tunables.py`)."""
-    def convert(text: str) -> Any:
+def tunable(t: Tunable) -> Callable[[str], Any]:
+    """The argparse type of a live tunable's flag: its kind, held to the contract's rule."""
+    def valid(value: Any) -> bool:
         try:
-            return tunable.check(tunable.kind(text))
+            t.check(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {tunable.rule}, not {text!r}") from None
-    return convert
+            return False
+        return True
+    return checked(t.kind, valid, t.rule)

@@ -17,7 +17,7 @@ from kvpilot.runtime.arg_types import (
     non_negative_float,
     positive_float,
     positive_int,
-    tunable_value,
+    tunable,
 )
 from kvpilot.runtime.config import (
     DTYPES,
@@ -205,7 +205,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=positive_int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
     g = parser.add_argument_group("KV cache")
-    g.add_argument("--block-size", type=tunable_value(BLOCK_SIZE), choices=BLOCK_SIZES, default=d.block_size)
+    g.add_argument("--block-size", type=tunable(BLOCK_SIZE), choices=BLOCK_SIZES, default=d.block_size)
     g.add_argument("--swap-space", type=non_negative_float, default=d.swap_space, help="GiB of host memory for swapped KV blocks")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=d.gpu_memory_utilization)
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None)
@@ -222,8 +222,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="reuse the KV blocks of prompt prefixes already computed (full blocks, matched by "
                         "chained SHA-256 digests of their tokens)")
     g = parser.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", type=tunable_value(MAX_NUM_SEQS), default=d.max_num_seqs, help="live-tunable")
-    g.add_argument("--max-num-batched-tokens", type=tunable_value(MAX_NUM_BATCHED_TOKENS), default=None,
+    g.add_argument("--max-num-seqs", type=tunable(MAX_NUM_SEQS), default=d.max_num_seqs, help="live-tunable")
+    g.add_argument("--max-num-batched-tokens", type=tunable(MAX_NUM_BATCHED_TOKENS), default=None,
                    help="default: 2048, or max_model_len without chunked prefill; live-tunable")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill)
     g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=d.preemption_mode,
