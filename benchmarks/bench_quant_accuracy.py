@@ -17,7 +17,7 @@ Variants, each a checkpoint folder written here from the embedded model's weight
           it) with the first and last decoder layers left in bf16 by its ignore list
   fp8-kv  --kv-cache-dtype fp8 (the bf16 weights; an FP8 KV cache, its scales measured at start),
           fp8-kv-unit the same with every scale 1.0 (--no-calculate-kv-scales), and fp8+kv both
-          FP8 weights and an FP8 KV cache
+          FP8 weights and an FP8 KV cache; fp8-ends+kv the fp8-ends checkpoint with an FP8 KV cache
 Round-to-nearest has no calibration: real AWQ and GPTQ checkpoints choose their scales (and GPTQ
 its rounding) to lose less than this.
 
@@ -53,7 +53,7 @@ FORMATS = {"awq": IntFormat("awq", 4, 64), "gptq": IntFormat("gptq", 4, 64, symm
 ENGINE_VARIANTS: dict[str, dict[str, str | bool]] = {
     "fp8": {"quantization": "fp8"}, "fp8-kv": {"kv_cache_dtype": "fp8"},
     "fp8-kv-unit": {"kv_cache_dtype": "fp8", "calculate_kv_scales": False},
-    "fp8+kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+    "fp8+kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}, "fp8-ends+kv": {"kv_cache_dtype": "fp8"}}
 QUESTIONS = [
     "What is the capital of France?", "Explain what a hash table is in two sentences.",
     "Write a haiku about autumn.", "What causes the seasons on Earth?", "Give three tips for writing clear emails.",
@@ -94,6 +94,7 @@ def evaluate(folder: Path, engine_args: dict[str, str | bool] | None = None) -> 
     chats = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
                      SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     return {"perplexity": math.exp(-sum(logprobs) / len(logprobs)), "tokens": len(logprobs), "top1": top1,
+            "logprobs": logprobs,
             "greedy": [c.outputs[0].token_ids for c in chats], "seconds": time.perf_counter() - started}
 
 
@@ -102,16 +103,25 @@ def agreement(result: dict[str, Any], reference: dict[str, Any]) -> dict[str, fl
     pairs = list(zip(result["greedy"], reference["greedy"], strict=True))
     common = [next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
               for ours, theirs in pairs]
+    # the perplexity ratio's uncertainty: the standard error of the mean per-token log-likelihood
+    # difference (paired, token by token), as a relative change of the ratio
+    deltas = [b - a for a, b in zip(result["logprobs"], reference["logprobs"], strict=True)]
+    mean = sum(deltas) / len(deltas)
+    spread = math.sqrt(sum((d - mean) ** 2 for d in deltas) / (len(deltas) - 1)) if len(deltas) > 1 else 0.0
     return {"top1_agreement": same_top1 / len(reference["top1"]),
             "greedy_identical": sum(ours == theirs for ours, theirs in pairs) / len(pairs),
             "greedy_prefix_share": sum(common) / sum(len(theirs) for _, theirs in pairs),
-            "perplexity_vs_bf16": result["perplexity"] / reference["perplexity"] - 1}
+            "perplexity_vs_bf16": result["perplexity"] / reference["perplexity"] - 1,
+            "perplexity_vs_bf16_se": spread / math.sqrt(len(deltas))}
 
 
 def served_variants() -> list[str]:
     """Every variant this engine can run (fp8-kv needs --kv-cache-dtype)."""
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     return ["bf16", *FORMATS, "fp8-ends", *(name for name, extra in ENGINE_VARIANTS.items() if set(extra) <= known)]
+
+
+FP8_ENDS = ("fp8-ends", "fp8-ends+kv")  # variants on the fp8-ends checkpoint
 
 
 def fp8_ends_checkpoint(base: Path, folder: Path) -> None:
@@ -145,9 +155,10 @@ def main() -> None:
             if name in FORMATS:
                 folder = Path(tmp) / name
                 write_int_checkpoint(base, folder, FORMATS[name])
-            elif name == "fp8-ends":
-                folder = Path(tmp) / name
-                fp8_ends_checkpoint(base, folder)
+            elif name in FP8_ENDS:
+                folder = Path(tmp) / "fp8-ends"
+                if not folder.exists():
+                    fp8_ends_checkpoint(base, folder)
             results[name] = evaluate(folder, ENGINE_VARIANTS.get(name))
             row = {"variant": name, "perplexity": results[name]["perplexity"], "tokens": results[name]["tokens"],
                    **agreement(results[name], results["bf16"]), "seconds": results[name]["seconds"]}
@@ -155,9 +166,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     if args.out:
         args.out.write_text(json.dumps({"text": TEXT.name, "rows": rows}, indent=1))
-    print(f"{'variant':8s} {'perplexity':>10s} {'vs bf16':>8s} {'top-1':>6s} {'greedy same':>11s} {'prefix':>6s}")
+    print(f"{'variant':11s} {'perplexity':>10s} {'vs bf16':>8s} {'+-se':>6s} {'top-1':>6s} {'greedy same':>11s} {'prefix':>6s}")
     for r in rows:
-        print(f"{r['variant']:8s} {r['perplexity']:10.3f} {r['perplexity_vs_bf16']:+8.2%} {r['top1_agreement']:6.1%} "
+        print(f"{r['variant']:11s} {r['perplexity']:10.3f} {r['perplexity_vs_bf16']:+8.2%} {r['perplexity_vs_bf16_se']:6.2%} {r['top1_agreement']:6.1%} "
               f"{r['greedy_identical']:11.1%} {r['greedy_prefix_share']:6.1%}")
 
 

@@ -38,6 +38,7 @@ def serve_args(spec: InferenceServiceSpec, source: ModelSource, served_model_nam
         "--block-size", str(engine.block_size),
         "--swap-space", _num(engine.swap_space),
         "--gpu-memory-utilization", _num(engine.gpu_memory_utilization),
+        "--kv-cache-dtype", engine.kv_cache_dtype,
         "--max-num-seqs", str(engine.max_num_seqs),
         "--preemption-mode", engine.preemption_mode,
         "--scheduler-policy", engine.scheduler_policy,

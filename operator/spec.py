@@ -58,6 +58,7 @@ class EngineSpec(_Model):
     swap_space: float = Field(default=4, ge=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     max_num_seqs: MaxNumSeqs = MAX_NUM_SEQS.default
     max_num_batched_tokens: MaxNumBatchedTokens | None = None
     max_model_len: int | None = None

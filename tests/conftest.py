@@ -1,9 +1,20 @@
 """Suite-wide setup. Helpers shared by several test folders live in tests/support (put on
-sys.path here; the repo root itself stays off it, so `operator` is always the standard library)."""
+sys.path here; the repo root itself stays off it, so `operator` is always the standard library).
+
+Without a GPU the Triton kernels run under Triton's interpreter. TRITON_INTERPRET must be set
+before triton is first imported (the `@triton.jit` helpers in `triton.language` are decorated
+then), and any test folder may import a kernel at collection, so it is set here, before any
+test module loads. The engine's own choice of ops does not read it (`KVPILOT_KERNELS` does)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent / "support"))
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

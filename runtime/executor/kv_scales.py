@@ -14,7 +14,8 @@ cache is sized and any CUDA graph is captured, and nothing changes them afterwar
    one prefill of `CALIBRATION_TOKENS` token ids drawn at random from the vocabulary (seeded by
    `--seed`, so every start of a model gets the same scales) runs through the model into a
    scratch cache of the model's own dtype; each layer's scale is then the largest |k| (or |v|)
-   it wrote, times `HEADROOM`, over e4m3's 448. The headroom leaves room for activations larger
+   it wrote, times `HEADROOM`, over e4m3's 448 (under tensor parallelism, each rank's over its own
+   heads: each rank's cache is read only with its own scales). The headroom leaves room for activations larger
    than the calibration's before they saturate; it costs nothing in precision above e4m3's
    smallest normal value (2^-6 of the scale), where its relative step is the same everywhere.
 3. **1.0** with `--no-calculate-kv-scales` and no checkpoint scales, as vLLM does: the cache
@@ -30,7 +31,11 @@ from collections.abc import Callable
 import torch
 
 from kvpilot.kernels.kv_quant import FP8_MAX
+from kvpilot.runtime.executor import kv_cache
 from kvpilot.runtime.executor.inputs import StepInputs
+from kvpilot.runtime.executor.kv_cache import KVCacheLayout
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 # Layer i's KV-cache scale tensors, relative to the model's prefix: (layer, which) with which one
 # of "k", "v", "kv" (one for both); "q" for the attention's own scale, which is dropped.
@@ -73,11 +78,15 @@ def calibration_step(vocab_size: int, num_tokens: int, seed: int, block_size: in
                       logits_rows=[num_tokens - 1])
 
 
-def measure(prefill: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None],
-            scratch: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Run `prefill` into the zeroed `scratch` caches (the model's dtype) and return each layer's
-    (k_scale, v_scale) as (num_layers, 2) float32: the largest magnitude written times HEADROOM
-    over e4m3's largest value (a layer that wrote only zeros gets 1.0)."""
-    prefill(scratch)
-    amax = torch.stack([torch.stack([k.abs().amax(), v.abs().amax()]) for k, v in scratch]).float()
+def measure(prefill: Callable[[StepInputs, KVCaches], None], scratch: KVCacheLayout, vocab_size: int,
+            num_tokens: int, seed: int) -> torch.Tensor:
+    """Each layer's (k_scale, v_scale), (num_layers, 2) float32: `prefill` runs the calibration
+    step into zeroed caches of `scratch` (a layout of the model's own dtype); a scale is the
+    largest magnitude written times HEADROOM over e4m3's largest value (1.0 for all zeros)."""
+    step = calibration_step(vocab_size, num_tokens, seed, scratch.block_size)
+    num_blocks = len(step.block_tables[0])
+    caches = kv_cache.views(kv_cache.allocate(scratch, num_blocks * scratch.block_size), scratch,
+                            num_blocks=num_blocks)
+    prefill(step, caches)
+    amax = torch.stack([torch.stack([k.abs().amax(), v.abs().amax()]) for k, v in caches]).float()
     return torch.where(amax > 0, amax * HEADROOM / FP8_MAX, torch.ones_like(amax))

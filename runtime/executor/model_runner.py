@@ -285,17 +285,13 @@ class ModelRunner:
         if calculate or (calculate is None and not self.model.kv_scales_from_checkpoint):
             n = min(kv_scales.CALIBRATION_TOKENS, self.config.model.max_model_len,
                     self.config.scheduler.max_num_batched_tokens)
-            inputs = kv_scales.calibration_step(self.model_config.vocab_size, n, self.config.model.seed,
-                                                self.block_size)
-            scratch = dataclasses.replace(self.layout, dtype=self.dtype)  # unquantised, as the model computes
-            num_blocks = len(inputs.block_tables[0])
-            caches = kv_cache.views(kv_cache.allocate(scratch, num_blocks * self.block_size), scratch,
-                                    num_blocks=num_blocks)
             # the reference ops: the Triton kernels' variants for caches of the model's dtype, which
             # serving never launches, would be compiled for this one pass
             reference = ReferenceOps()
-            self.model.set_kv_scales(kv_scales.measure(lambda c: self._probe(inputs, c, self.block_size, reference),
-                                                       caches))
+            self.model.set_kv_scales(kv_scales.measure(
+                lambda step, caches: self._probe(step, caches, self.block_size, reference),
+                dataclasses.replace(self.layout, dtype=self.dtype), self.model_config.vocab_size, n,
+                self.config.model.seed))
             source = f"measured on {n} calibration tokens"
         else:
             source = "from the checkpoint" if self.model.kv_scales_from_checkpoint else "1.0 (no calibration)"

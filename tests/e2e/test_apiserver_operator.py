@@ -179,7 +179,8 @@ def test_the_operator_met_no_403_and_no_409(operator: OperatorProcess) -> None:
 
 def test_an_engine_that_cannot_start_is_degraded_with_its_own_message(
         control_plane: ControlPlane, operator: OperatorProcess, tmp_path: Path) -> None:
-    """spec.model.quantization reaches the pod; when the checkpoint contradicts it, `kvpilot serve`
+    """spec.model.quantization and spec.engine.kvCacheDtype reach the pod; when the checkpoint
+    contradicts the quantization, `kvpilot serve`
     refuses to start with one line naming both, and that line (the container's termination message,
     which the kubelet takes from the log tail) becomes the Degraded condition."""
     import subprocess
@@ -197,10 +198,10 @@ def test_an_engine_that_cannot_start_is_degraded_with_its_own_message(
     save_file({"model.norm.weight": torch.ones(4)}, str(folder / "model.safetensors"))
     namespace = new_namespace(control_plane, "quant")
     create(control_plane, namespace, "awq", {"model": {"source": f"hostpath://{folder}", "quantization": "fp8"},
-                                             "resources": {"gpus": 0}})
+                                             "engine": {"kvCacheDtype": "fp8"}, "resources": {"gpus": 0}})
     reconciled(control_plane, namespace, "awq")
     args = control_plane.get("deployment", "awq", namespace)["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
-    assert args[args.index("--quantization") + 1] == "fp8"
+    assert args[args.index("--quantization") + 1] == "fp8" and args[args.index("--kv-cache-dtype") + 1] == "fp8"
 
     # the pod's command, run here on the folder the pod would mount
     args[args.index("--model") + 1] = str(folder)

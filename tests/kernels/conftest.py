@@ -1,5 +1,5 @@
 """Kernel tests run the Triton kernels on CPU through Triton's interpreter when no GPU is present
-(TRITON_INTERPRET must be set before triton is first imported, hence here), and on the GPU
+(tests/conftest.py sets TRITON_INTERPRET then, before anything imports triton), and on the GPU
 otherwise. The engine's dispatch switch (KVPILOT_KERNELS) is set per test, never suite-wide."""
 
 from __future__ import annotations
@@ -8,9 +8,6 @@ import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -39,14 +39,15 @@ def test_every_engine_field_reaches_its_flag() -> None:
     args = _args({"model": {"source": "embedded", "dtype": "bfloat16", "quantization": "fp8"},
                   "tensorParallelSize": 4,
                   "engine": {"blockSize": 32, "swapSpace": 8, "gpuMemoryUtilization": 0.85,
-                             "numGpuBlocksOverride": 1000, "maxNumSeqs": 128, "maxNumBatchedTokens": 8192,
+                             "numGpuBlocksOverride": 1000, "kvCacheDtype": "fp8", "maxNumSeqs": 128,
+                             "maxNumBatchedTokens": 8192,
                              "maxModelLen": 4096, "preemptionMode": "swap", "schedulerPolicy": "priority",
                              "enableChunkedPrefill": True, "enablePrefixCaching": True, "enforceEager": True,
                              "maxQueueLen": 100, "disableLogStats": True, "metricInterval": 2.5,
                              "device": "cuda", "seed": 123456789}})
     expected = {"--dtype": "bfloat16", "--quantization": "fp8", "--tensor-parallel-size": "4",
                 "--block-size": "32", "--swap-space": "8", "--gpu-memory-utilization": "0.85",
-                "--num-gpu-blocks-override": "1000", "--max-num-seqs": "128",
+                "--num-gpu-blocks-override": "1000", "--kv-cache-dtype": "fp8", "--max-num-seqs": "128",
                 "--max-num-batched-tokens": "8192", "--max-model-len": "4096", "--preemption-mode": "swap",
                 "--scheduler-policy": "priority", "--max-queue-len": "100", "--metric-interval": "2.5",
                 "--device": "cuda", "--seed": "123456789"}

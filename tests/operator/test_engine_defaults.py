@@ -19,7 +19,7 @@ from kvpilot.operator.model_source import resolve_model_source
 from kvpilot.operator.spec import EngineSpec, InferenceServiceSpec, ModelSpec
 from kvpilot.runtime.args import EngineArgs
 from kvpilot.runtime.cli import build_parser
-from kvpilot.runtime.config import QUANTIZATION_METHODS
+from kvpilot.runtime.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 ENGINE_FIELDS = sorted(EngineSpec.model_fields)
 
@@ -50,7 +50,7 @@ def test_crd_operator_and_runtime_defaults_agree(field: str) -> None:
 
 ALL_ON = {"enableChunkedPrefill": True, "enablePrefixCaching": True, "enforceEager": True,
           "disableLogStats": True, "blockSize": 32, "swapSpace": 8, "gpuMemoryUtilization": 0.85,
-          "numGpuBlocksOverride": 1000, "maxNumSeqs": 128, "maxNumBatchedTokens": 8192, "maxModelLen": 4096,
+          "numGpuBlocksOverride": 1000, "kvCacheDtype": "fp8", "maxNumSeqs": 128, "maxNumBatchedTokens": 8192, "maxModelLen": 4096,
           "preemptionMode": "swap", "schedulerPolicy": "priority", "priorityAging": 30,
           "fairPromptWeight": 0.5, "fairOutputWeight": 4, "maxQueueLen": 100, "metricInterval": 2.5,
           "device": "cuda", "seed": 7}
@@ -70,3 +70,8 @@ def test_crd_and_operator_take_every_quantization_the_runtime_serves() -> None:
     crd = openapi_schema()["properties"]["spec"]["properties"]["model"]["properties"]["quantization"]["enum"]
     literal, _none = get_args(ModelSpec.model_fields["quantization"].annotation)
     assert crd == list(get_args(literal)) == ["auto", *QUANTIZATION_METHODS]
+
+
+def test_crd_and_operator_take_every_kv_cache_dtype_the_runtime_has() -> None:
+    crd = _crd_engine()["kvCacheDtype"]["enum"]
+    assert crd == list(get_args(EngineSpec.model_fields["kv_cache_dtype"].annotation)) == list(KV_CACHE_DTYPES)

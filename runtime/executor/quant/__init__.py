@@ -31,5 +31,6 @@ A method (subclass `LinearMethod`, register it in `methods.py` under its `--quan
 6. `dequantized_weight(layer)` -> (sum(output_sizes), input_size) float32: the weight the product
    uses, for tests against the source weights and for the CPU path (de-quantised compute).
 7. `fill_dummy(layer, generator)` for `--load-format dummy`.
-The unquantized method (`unquantized.py`) is the trivial case; `fp8.py` the first real one.
+The unquantized method (`unquantized.py`) is the trivial case; `fp8.py` quantizes weights and
+activations, `awq.py` and `gptq.py` read integer weights (`int_linear.py`).
 """
