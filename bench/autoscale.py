@@ -32,7 +32,8 @@ from kvpilot.bench.autoscale_modes import Cluster
 from kvpilot.bench.autoscale_plan import MODES, SIGNALS, Plan, Settings, plan
 from kvpilot.bench.capacity_curve import CapacityCurve, CurveError, load_curve
 from kvpilot.bench.flags import fraction, percent, positive_float, tolerance
-from kvpilot.bench.fleet import FleetResult, SimConfig, simulate
+from kvpilot.bench.fleet import FleetResult, simulate
+from kvpilot.bench.fleet_inputs import SimConfig
 from kvpilot.bench.self_check import self_check
 from kvpilot.operator.autoscale.scaling_spec import (
     DEFAULT_INTERVAL_S,
