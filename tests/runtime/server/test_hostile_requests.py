@@ -152,7 +152,7 @@ def test_a_trusted_request_template_renders_and_an_endless_one_is_stopped(server
         response = _served_meanwhile(server, http, lambda: _post(http, "/v1/chat/completions",
                                                                    {**CHAT, "chat_template": NESTED_LOOPS}))
         assert "longer than 2 s" in _error(response, 400, "chat_template")
-        huge = "{{ 'x' * %d }}" % (BODY_LIMIT + 1)  # rendered at once, however slow the machine
+        huge = "{{ 'x' * " + str(BODY_LIMIT + 1) + " }}"  # rendered at once, however slow the machine
         assert "more than the" in _error(_post(http, "/v1/chat/completions", {**CHAT, "chat_template": huge}),
                                          400, "chat_template")
     finally:
