@@ -32,7 +32,7 @@ from kvpilot.runtime.executor.cuda_graphs import (
 )
 from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
 from kvpilot.runtime.executor.kv_cache import KVCacheLayout
-from kvpilot.runtime.executor.loader import load_model, resolve_dtype
+from kvpilot.runtime.executor.loader import copy_threads, load_model, resolve_dtype
 from kvpilot.runtime.executor.models.llama import cos_sin_cache
 from kvpilot.runtime.executor.parallel import TPInfo
 from kvpilot.runtime.executor.sampler import (
@@ -70,7 +70,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, device)
         self.model, self.model_config = load_model(config.model, str(self.device), self.tp, self.startup)
         if self.device.type == "cpu":
-            with self.startup.phase("cpu_pack"):
+            with self.startup.phase("cpu_pack"), copy_threads(self.device):
                 # weights packed once for oneDNN (decode steps are bound by reading them; cpu_linear.py)
                 pack_linears(self.model, config.scheduler.max_num_seqs)
         self.num_kv_heads = self.model.layers[0].num_kv_heads  # this rank's share
