@@ -50,14 +50,16 @@ def test_work_after_ready_runs_one_unit_at_a_time_and_the_idle_pass_waits_for_id
             done.append(f"unit {i}")
             yield f"unit {i}"
 
-    warm_up = WarmUp(units(), lambda: done.append("pass"))
+    warm_up = WarmUp(units(), lambda: done.append("pass"), idle_first=[("swap", lambda: done.append("swap"))])
     warm_up.run_one(idle=False)
-    assert done == ["unit 0"] and warm_up.pending
+    assert done == ["unit 0"] and warm_up.pending  # busy: the idle-first work waits, a unit runs
     warm_up.run_if_due(idle=False)  # busy: not again within BUSY_INTERVAL_S
     assert done == ["unit 0"]
+    warm_up.run_one(idle=True)
+    assert done == ["unit 0", "swap"]  # idle: before the remaining units
     for _ in range(5):
         warm_up.run_one(idle=False)
-    assert done == ["unit 0", "unit 1", "unit 2"] and warm_up.pending  # the pass needs an idle engine
+    assert done == ["unit 0", "swap", "unit 1", "unit 2"] and warm_up.pending  # the pass needs an idle engine
     warm_up.run_one(idle=True)
     assert done[-1] == "pass" and not warm_up.pending
     warm_up.run_one(idle=True)
