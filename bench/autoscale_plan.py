@@ -53,7 +53,6 @@ class Plan:
     settings: dict[str, str] = field(default_factory=dict)  # policy name -> its setting, described
     targets: dict[str, str] = field(default_factory=dict)  # policy name -> its target, described
     skipped: dict[str, str] = field(default_factory=dict)  # family -> why it was not simulated
-    static_replicas: int = 0
 
     def add(self, family: str, setting: str, policy: Policy, target: str) -> None:
         policy = replace(policy, name=f"{family} {setting}".strip())
@@ -67,7 +66,6 @@ def plan(curve: CapacityCurve, trace: Trace, slo_rate: float, config: SimConfig,
          signals: Sequence[str], grid: Settings) -> Plan:
     out = Plan()
     static = max(1, math.ceil(trace.peak / slo_rate))
-    out.static_replicas = static
     max_replicas = grid.max_replicas or 2 * static
     operator = Pipeline(grid.interval_s)
     prometheus = Pipeline(config.cluster.prometheus_interval_s, config.cluster.prometheus_phase_s)

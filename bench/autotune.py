@@ -39,7 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpilot.runtime.tunables import PREEMPTION_MODES
+from kvpilot.runtime.tunables import (
+    BLOCK_SIZE,
+    BLOCK_SIZES,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    PREEMPTION_MODES,
+)
 
 from . import flags
 
@@ -97,13 +103,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--max-model-len: the workload's longest request rounded up to a power of two)")
     g.add_argument("--kv-tokens", type=flags.positive_int, default=None,
                    help="KV budget of every server in tokens (default: 65536; 1024 with --quick)")
-    g.add_argument("--block-sizes", type=int, nargs="+", default=None, choices=(8, 16, 32, 64),
+    g.add_argument("--block-sizes", type=flags.tunable(BLOCK_SIZE), nargs="+", default=None, choices=BLOCK_SIZES,
                    help="the grid's block sizes, also the tuner's allowed ones (default: 8 16 32; 8 16 with --quick)")
     g.add_argument("--preemption-modes", nargs="+", default=["recompute", "swap"], choices=PREEMPTION_MODES)
-    g.add_argument("--max-num-seqs", type=flags.positive_int, nargs="+", default=None, metavar="N",
+    g.add_argument("--max-num-seqs", type=flags.tunable(MAX_NUM_SEQS), nargs="+", default=None, metavar="N",
                    help="the grid's max_num_seqs values, whose range the tuner may move it in (default: the "
                         "server's own, not tuned)")
-    g.add_argument("--max-num-batched-tokens", type=flags.positive_int, nargs="+", default=None, metavar="N",
+    g.add_argument("--max-num-batched-tokens", type=flags.tunable(MAX_NUM_BATCHED_TOKENS), nargs="+", default=None, metavar="N",
                    help="the grid's max_num_batched_tokens values, whose range the tuner may move it in (default: "
                         "the server's own, not tuned)")
     g.add_argument("--configs", nargs="+", default=None, metavar="BLOCK/MODE[/SEQS][/TOKENS]",

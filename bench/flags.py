@@ -1,6 +1,7 @@
 """argparse types the benchmarks share: bad values fail with one line naming the flag. The number
 types are the runtime's own (`kvpilot.runtime.arg_types`), so `kvpilot bench` and `kvpilot serve`
-hold a value to the same rule and say so in the same words."""
+hold a value to the same rule and say so in the same words; a live tunable's flag (`tunable(...)`) is
+held to the tunables contract's rule, as `kvpilot serve` holds it."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import math
 from kvpilot.runtime.arg_types import (
     checked,
     fraction,
+    non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
+    tunable,
 )
 
-__all__ = ["fraction", "non_negative_int", "percent", "positive_float", "positive_int", "rate", "tolerance",
-           "tokenizer_folder"]
+__all__ = ["fraction", "non_negative_float", "non_negative_int", "percent", "positive_float", "positive_int", "rate", "tolerance",
+           "tokenizer_folder", "tunable"]
 
 percent = checked(float, lambda v: 0 < v <= 100, "a number in (0, 100]")
 tolerance = checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")

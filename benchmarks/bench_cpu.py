@@ -4,8 +4,9 @@
 same 1,024 tokens); HF one prompt at a time and HF on one left-padded batch, same run, same
 weights; kvpilot and HF's padded batch alternate --repeats times and medians are reported.
 With --steps, one more kvpilot run is stepped by hand and the time of its first step (the prefill
-of all 16 prompts) and the median of its decode steps are printed.
-Usage: PYTHONSAFEPATH=1 .venv/bin/python benchmarks/bench_cpu.py [--repeats 3] [--skip-hf-sequential] [--steps]
+of all 16 prompts) and the median of its decode steps are printed. --skip-hf times kvpilot alone
+(a before/after check of two trees, where HF's runs would only add time).
+Usage: PYTHONSAFEPATH=1 .venv/bin/python benchmarks/bench_cpu.py [--repeats 3] [--skip-hf-sequential | --skip-hf] [--steps]
 """
 
 from __future__ import annotations
@@ -85,21 +86,23 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3, help="alternating kvpilot / HF-padded runs")
     parser.add_argument("--skip-hf-sequential", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true", help="kvpilot's runs only")
     parser.add_argument("--steps", action="store_true", help="also time kvpilot's engine steps")
     args = parser.parse_args()
     prompts = make_prompts(49152)
-    kv, hf = Kvpilot(), HF()
+    kv, hf = Kvpilot(), None if args.skip_hf else HF()
     samples: dict[str, list[float]] = {"kvpilot": [], "padded": [], "sequential": []}
     for _ in range(args.repeats):  # alternate, so a slow spell of a shared machine hits both
         samples["kvpilot"].append(kv.run(prompts))
-        samples["padded"].append(hf.run(prompts, batched=True))
-    if not args.skip_hf_sequential:
+        if hf is not None:
+            samples["padded"].append(hf.run(prompts, batched=True))
+    if hf is not None and not args.skip_hf_sequential:
         samples["sequential"].append(hf.run(prompts, batched=False))
     # THP_MEM_ALLOC_ENABLE (2 MiB pages, which `kvpilot` sets for itself) is process-wide and read
     # before torch's first allocation, so both sides run under whatever the environment says
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
     print(f"host: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, THP_MEM_ALLOC_ENABLE={thp}, {args.repeats} alternating runs, "
+          f"torch {torch.__version__}, THP_MEM_ALLOC_ENABLE={thp}, {args.repeats} runs, "
           f"median (all runs) in output tokens/s")
     names = {"kvpilot": "kvpilot (continuous batching)", "padded": "HF generate, left-padded batch of 16",
              "sequential": "HF generate, one prompt at a time"}
@@ -108,10 +111,11 @@ def main() -> None:
             shown = ", ".join(f"{r:.1f}" for r in runs)
             print(f"| {names[key]} | {statistics.median(runs):.1f} | {shown} |")
     ratios = [a / b for a, b in zip(samples["kvpilot"], samples["padded"], strict=True)]
-    print(f"kvpilot / HF padded, per alternating pair: {', '.join(f'{r:.2f}' for r in ratios)}; "
-          f"median {statistics.median(ratios):.2f}; of medians "
-          f"{statistics.median(samples['kvpilot']) / statistics.median(samples['padded']):.2f}; "
-          f"of bests {max(samples['kvpilot']) / max(samples['padded']):.2f}")
+    if ratios:
+        print(f"kvpilot / HF padded, per alternating pair: {', '.join(f'{r:.2f}' for r in ratios)}; "
+              f"median {statistics.median(ratios):.2f}; of medians "
+              f"{statistics.median(samples['kvpilot']) / statistics.median(samples['padded']):.2f}; "
+              f"of bests {max(samples['kvpilot']) / max(samples['padded']):.2f}")
     if args.steps:
         times = kv.step_times(prompts)
         print(f"kvpilot steps: prefill of {sum(map(len, prompts))} prompt tokens {times[0] * 1e3:.0f} ms, "

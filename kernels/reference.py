@@ -186,7 +186,10 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[to
     row. x / scale in float32, saturated at +-448 before the cast (round to nearest even)."""
     xf = x.float()
     if scale is None:
-        scales = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+        # divided by a tensor, not the Python number: CUDA torch turns a division by a scalar into a
+        # product with its reciprocal, which can differ from the division in the last place
+        scales = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=FP8_MIN_SCALE)
     else:
         scales = scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return (xf / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales

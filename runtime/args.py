@@ -9,11 +9,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.runtime.arg_types import fraction, non_negative_float, positive_float, positive_int
+from kvpilot.runtime.arg_types import (
+    fraction,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    tunable,
+)
 from kvpilot.runtime.config import (
     DTYPES,
     KV_CACHE_DTYPES,
@@ -34,7 +39,6 @@ from kvpilot.runtime.tunables import (
     PREEMPTION_MODES,
     SCHEDULER_POLICIES,
     SCHEDULER_POLICY,
-    Tunable,
     check_changes,
 )
 
@@ -182,16 +186,6 @@ class EngineArgs:
             raise ValueError(f"tuned_config: {path}: {e}") from None
 
 
-def _tunable(tunable: Tunable) -> Callable[[str], Any]:
-    """An argparse type for a live tunable: its value by the contract's rule (tunables.py)."""
-    def convert(text: str) -> Any:
-        try:
-            return tunable.check(tunable.kind(text))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {tunable.rule}, not {text!r}") from None
-    return convert
-
-
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's flags, vLLM spellings; argparse rejects bad values with one line naming the flag."""
     d = EngineArgs()
@@ -211,7 +205,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=positive_int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
     g = parser.add_argument_group("KV cache")
-    g.add_argument("--block-size", type=_tunable(BLOCK_SIZE), choices=BLOCK_SIZES, default=d.block_size)
+    g.add_argument("--block-size", type=tunable(BLOCK_SIZE), choices=BLOCK_SIZES, default=d.block_size)
     g.add_argument("--swap-space", type=non_negative_float, default=d.swap_space, help="GiB of host memory for swapped KV blocks")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=d.gpu_memory_utilization)
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None)
@@ -228,8 +222,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="reuse the KV blocks of prompt prefixes already computed (full blocks, matched by "
                         "chained SHA-256 digests of their tokens)")
     g = parser.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", type=_tunable(MAX_NUM_SEQS), default=d.max_num_seqs, help="live-tunable")
-    g.add_argument("--max-num-batched-tokens", type=_tunable(MAX_NUM_BATCHED_TOKENS), default=None,
+    g.add_argument("--max-num-seqs", type=tunable(MAX_NUM_SEQS), default=d.max_num_seqs, help="live-tunable")
+    g.add_argument("--max-num-batched-tokens", type=tunable(MAX_NUM_BATCHED_TOKENS), default=None,
                    help="default: 2048, or max_model_len without chunked prefill; live-tunable")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill)
     g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=d.preemption_mode,

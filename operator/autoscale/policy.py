@@ -91,14 +91,14 @@ def decide_replicas(summaries: Mapping[str, WindowSummary], pods: Mapping[str, P
     ahead = replicas_ahead(forecast, est, summaries, pods, current, spec)
     wanted = est.replicas if ahead is None else ahead
     n = normalize(wanted, current, spec.min_replicas, spec.max_replicas, spec.behavior, state, now)
-    reason = _reason(spec, est, current, n.replicas, n.note, forecast, ahead)
     unreachable = out_of_reach(summaries, pods, spec)
     if unreachable is not None and n.replicas <= current:
         # kvpilot's one departure from the HPA: a service whose requests queue is not scaled down
         held = "" if n.replicas == current else " (no scale-down while requests queue)"
         reason = _reason(spec, est, current, current, n.note, forecast, ahead)
         return decision(current, "TargetUnreachable", f"{unreachable}; {reason}{held}", n.state, est.value)
-    return decision(n.replicas, n.code, reason, n.state, est.value)
+    return decision(n.replicas, n.code, _reason(spec, est, current, n.replicas, n.note, forecast, ahead), n.state,
+                    est.value)
 
 
 def replicas_ahead(forecast: Forecast | None, est: Estimate, summaries: Mapping[str, WindowSummary],

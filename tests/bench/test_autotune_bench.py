@@ -190,3 +190,13 @@ def test_bad_input_fails_with_one_line(flags: list[str], named: str) -> None:
     assert result.returncode == 2
     lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and named in lines[0] and "error" in lines[0], result.stderr
+
+
+def test_the_evaluation_workloads_have_their_three_phases_and_fit_their_kv_budgets() -> None:
+    """The CPU evaluation's five minutes of arrivals, and its one-minute H200 cut (the commands in
+    benchmarks/RESULTS.md give --kv-tokens 1024 and 32768)."""
+    folder = Path(__file__).resolve().parents[2] / "benchmarks" / "autotune"
+    cpu, h200 = load_phases(folder / "cpu-phased.yaml"), load_phases(folder / "h200-phased.yaml")
+    assert [p.name for p in cpu] == [p.name for p in h200] == ["chat", "long", "batch"]
+    assert sum(p.duration for p in cpu) >= 300 and sum(p.duration for p in h200) == 60
+    assert max(p.max_tokens for p in cpu) <= 1024 and max(p.max_tokens for p in h200) <= 32768

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.bench import flags
+from kvpilot.bench import autotune, flags
 from kvpilot.runtime import arg_types
 from kvpilot.runtime.args import add_engine_arguments
 
@@ -46,11 +46,30 @@ def test_a_value_outside_the_rule_is_refused_naming_it(kind: Callable[[str], Any
     assert str(refused.value) == message
 
 
-def test_the_benchmarks_and_the_engine_flags_refuse_alike(capsys: pytest.CaptureFixture[str]) -> None:
+def _refusal(parser: argparse.ArgumentParser, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)
+    return capsys.readouterr().err.strip().splitlines()[-1].split(": error: ", 1)[1]
+
+
+@pytest.mark.parametrize(("engine_flag", "bench_flag", "text", "message"), [
+    ("--max-num-seqs", "--max-num-seqs", "0", "must be an integer from 1 to 65536, not '0'"),
+    ("--max-num-batched-tokens", "--max-num-batched-tokens", "2097152",
+     "must be an integer from 1 to 1048576, not '2097152'"),
+    ("--block-size", "--block-sizes", "12", "must be one of 8, 16, 32, 64, not '12'"),
+])
+def test_the_benchmarks_and_the_engine_flags_refuse_alike(
+        engine_flag: str, bench_flag: str, text: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A live tunable's flag in `kvpilot serve` and in `kvpilot bench autotune` is held to the
+    tunables contract's rule and refused in the same words."""
     engine = argparse.ArgumentParser(prog="kvpilot serve")
     add_engine_arguments(engine)
-    with pytest.raises(SystemExit):
-        engine.parse_args(["--max-num-seqs", "0"])
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "kvpilot serve: error: argument --max-num-seqs: must be a positive integer, not '0'")
+    bench = argparse.ArgumentParser(prog="kvpilot bench autotune")
+    autotune.add_arguments(bench)
+    assert _refusal(engine, [engine_flag, text], capsys) == f"argument {engine_flag}: {message}"
+    assert _refusal(bench, [bench_flag, text], capsys) == f"argument {bench_flag}: {message}"
+
+
+def test_the_benchmarks_number_types_are_the_engines() -> None:
     assert flags.positive_int is arg_types.positive_int and flags.positive_float is arg_types.positive_float
+    assert flags.tunable is arg_types.tunable

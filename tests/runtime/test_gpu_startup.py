@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # a fixed cache: the profile's budget is a share of the card minus what this process holds, which an
 # earlier test's engine not yet collected may have taken whole
 BLOCKS = 256
-
-
-@pytest.fixture(autouse=True)
-def free_cuda() -> Iterator[None]:
-    """Each test's engines leave the card as they found it (the next test profiles its memory)."""
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +70,7 @@ def test_fastsafetensors_reader_fills_the_same_weights(llama, monkeypatch: pytes
         params[reader] = {n: p.detach().cpu() for n, p in llm.engine.runner.model.named_parameters()}
         llm.shutdown()
         del llm
-        gc.collect()
+        gc.collect()  # the engine holds reference cycles: free its memory before the next one sizes its cache
         torch.cuda.empty_cache()
     assert params["safetensors"].keys() == params["fastsafetensors"].keys()
     for name, tensor in params["safetensors"].items():

@@ -1,7 +1,8 @@
 """Stand-ins for the HTTP surface of a `kvpilot serve` pod that the operator uses: `/metrics` in
 the runtime's names and buckets (autotune_fixtures.PodMetrics) and Bearer-authenticated
 `GET/POST /admin/config` with the engine's answer layout. The queue and KV usage a stand-in
-reports are set by the test; every scrape counts five finished requests.
+reports are set by the test; every scrape counts five finished requests while it is `serving`
+(a test holds a canary undecidable, for as long as it needs, by turning that off).
 
 `EnginePod.app()` serves one on the test's own event loop; `ThreadedEngines` serves them from a
 thread of their own, for synchronous tests whose operator runs in another process."""
@@ -24,6 +25,8 @@ class EnginePod:
     def __init__(self, token: str) -> None:
         self.token = token
         self.waiting, self.kv = 0.0, 0.2
+        self.serving = True  # False: scrapes count no finished request, so nothing can be judged
+        self.scrapes = 0
         self.refuse: str | None = None  # POST /admin/config answers 400 with this message
         self.posts: list[dict[str, Any]] = []
         self.restart()
@@ -36,8 +39,10 @@ class EnginePod:
         self.metrics = PodMetrics(block_size=16, mode="recompute")
 
     async def metrics_page(self, _: aiohttp.web.Request) -> aiohttp.web.Response:
+        self.scrapes += 1
         self.metrics.set(waiting=self.waiting, running=8, kv=self.kv)
-        self.metrics.serve(5)
+        if self.serving:
+            self.metrics.serve(5)
         return aiohttp.web.Response(body=self.metrics.text().encode(), content_type="text/plain")
 
     def _authorized(self, request: aiohttp.web.Request) -> bool:

@@ -62,13 +62,13 @@ def test_checkpoint_dequantises_to_its_source_within_rounding(name: str, checkpo
     assert len(layers) == 4 * hf.config.num_hidden_layers
     for path, layer in layers.items():
         source = torch.cat([part.weight for part in hf_parts(hf, path)]).float()
-        ours_w = layer.method.dequantized_weight(layer)
+        ours_w = layer.method.dequantized_weight(layer).cpu()  # the engine's device (CUDA where present)
         assert ours_w.shape == source.shape
         # one RTN step of the element's group at most (the grid's ends clip); a misread layout is off
         # by whole weights
-        step = layer.scales.float().t().repeat_interleave(layer.int_weight.group_size, dim=1)
+        step = layer.scales.float().cpu().t().repeat_interleave(layer.int_weight.group_size, dim=1)
         if layer.int_weight.perm is not None:
-            step = step[:, torch.argsort(layer.int_weight.perm.long())]
+            step = step[:, torch.argsort(layer.int_weight.perm.long().cpu())]
         assert bool(((ours_w - source).abs() <= step * 1.001 + 1e-6).all()), path
 
 
