@@ -20,11 +20,38 @@ if TYPE_CHECKING:  # the base layer sits below the bookkeeping; only the annotat
     from kvpilot.runtime.sched.sequence import Sequence
 
 
+# The tokenizer classes that AutoTokenizer resolves to transformers' generic fast tokenizer (built
+# from tokenizer.json) for a model of these types. AutoTokenizer itself imports torch and reads the
+# model's config to decide (seconds of the API process's start-up); for these the class is loaded
+# directly, the same object AutoTokenizer would return. Any other folder goes through AutoTokenizer.
+_GENERIC_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+_GENERIC_MODEL_TYPES = frozenset({"llama"})
+
+
+def loads_as_generic(folder: Path) -> bool:
+    """The folder's tokenizer is transformers' generic fast tokenizer, whatever loads it."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return (config.get("tokenizer_class") in _GENERIC_CLASSES and "auto_map" not in config
+            and model_type in _GENERIC_MODEL_TYPES and (folder / "tokenizer.json").is_file())
+
+
+def _hf_tokenizer(folder: str) -> Any:
+    if loads_as_generic(Path(folder)):
+        from transformers import PreTrainedTokenizerFast  # TokenizersBackend under its older name
+
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
 class Tokenizer:
     def __init__(self, folder: str) -> None:
-        from transformers import AutoTokenizer
-
-        self.hf = AutoTokenizer.from_pretrained(folder)
+        self.hf = _hf_tokenizer(folder)
         self.eos_token_ids = self._eos_ids(Path(folder))
         self._token_texts: dict[int, str] = {}  # convert_id's: at most one entry a vocabulary id
 
