@@ -39,7 +39,8 @@ from kvpilot.bench.flags import (
     positive_int,
     tolerance,
 )
-from kvpilot.bench.fleet import FleetResult, SimConfig, simulate
+from kvpilot.bench.fleet import FleetResult, simulate
+from kvpilot.bench.fleet_inputs import SimConfig
 from kvpilot.bench.self_check import self_check
 from kvpilot.operator.autoscale.scaling_spec import (
     DEFAULT_INTERVAL_S,

@@ -18,6 +18,11 @@ from kvpilot.runtime import LLM, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+# a fixed cache: the profile's budget is a share of the card minus what this process holds, which an
+# earlier test's engine not yet collected may have taken whole
+BLOCKS = 256
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object]:
     folder = tmp_path_factory.mktemp("llama")
@@ -27,7 +32,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object]:
 def test_other_block_sizes_are_prepared_between_steps_and_replayed_after_a_switch(llama) -> None:
     folder, hf = llama
     llm = LLM(folder, device="cuda", dtype="float32", max_model_len=256, block_size=16, max_num_seqs=8,
-              gpu_memory_utilization=0.2)
+              num_gpu_blocks_override=BLOCKS)
     engine, runner = llm.engine, llm.engine.runner
     assert runner.captured_block_sizes == [16] and engine.warm_up.pending
     phases = {p.name: p for p in engine.startup.phases}
@@ -61,8 +66,9 @@ def test_fastsafetensors_reader_fills_the_same_weights(llama, monkeypatch: pytes
     for reader in ("safetensors", "fastsafetensors"):
         monkeypatch.setenv("KVPILOT_WEIGHT_READER", reader)
         llm = LLM(folder, device="cuda", dtype="float32", max_model_len=256, enforce_eager=True,
-                  gpu_memory_utilization=0.2)
+                  num_gpu_blocks_override=BLOCKS)
         params[reader] = {n: p.detach().cpu() for n, p in llm.engine.runner.model.named_parameters()}
+        llm.shutdown()
         del llm
         gc.collect()  # the engine holds reference cycles: free its memory before the next one sizes its cache
         torch.cuda.empty_cache()
