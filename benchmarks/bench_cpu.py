@@ -5,7 +5,9 @@ same 1,024 tokens); HF one prompt at a time and HF on one left-padded batch, sam
 weights; kvpilot and HF's padded batch alternate --repeats times and medians are reported.
 With --steps, one more kvpilot run is stepped by hand and the time of its first step (the prefill
 of all 16 prompts) and the median of its decode steps are printed. --skip-hf times kvpilot alone
-(a before/after check of two trees, where HF's runs would only add time).
+(a before/after check of two trees, where HF's runs would only add time). kvpilot's CPU seconds
+per run are printed too: on a shared machine with OMP_NUM_THREADS=1 they move far less than the
+wall time does.
 Usage: PYTHONSAFEPATH=1 .venv/bin/python benchmarks/bench_cpu.py [--repeats 3] [--skip-hf-sequential | --skip-hf] [--steps]
 """
 
@@ -36,13 +38,15 @@ def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 class Kvpilot:
     def __init__(self) -> None:
         self.llm = LLM(max_model_len=1024)
+        self.cpu_s: list[float] = []  # CPU seconds of each run: what a shared machine's load leaves alone
         self.llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4))  # warm-up
 
     def run(self, prompts: list[list[int]]) -> float:
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         elapsed = time.perf_counter() - start
+        self.cpu_s.append(time.process_time() - cpu)
         assert sum(len(o.outputs[0].token_ids) for o in outs) == NUM_PROMPTS * NEW_TOKENS
         return NUM_PROMPTS * NEW_TOKENS / elapsed
 
@@ -110,6 +114,8 @@ def main() -> None:
         if runs:
             shown = ", ".join(f"{r:.1f}" for r in runs)
             print(f"| {names[key]} | {statistics.median(runs):.1f} | {shown} |")
+    print(f"kvpilot CPU seconds a run (this process, all its threads): "
+          f"{', '.join(f'{c:.2f}' for c in kv.cpu_s)}; median {statistics.median(kv.cpu_s):.2f}")
     if samples["padded"]:
         ratios = [a / b for a, b in zip(samples["kvpilot"], samples["padded"], strict=True)]
         print(f"kvpilot / HF padded, per alternating pair: {', '.join(f'{r:.2f}' for r in ratios)}; "
