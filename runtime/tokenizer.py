@@ -73,12 +73,13 @@ class Tokenizer:
     @functools.cached_property
     def max_token_chars(self) -> int | None:
         """The most characters of text one token can stand for, where that bounds a text's token
-        count from below (a vocabulary without a normalizer, as byte-level BPE: the tokens' bytes
-        make up the text's); None where a normalizer may shrink the text first."""
+        count from below: a vocabulary without a normalizer, whose token strings are at least as
+        long as the text they decode to (byte-level BPE: one character a byte; sentencepiece: the
+        text with "▁" for spaces); None where a normalizer may shrink the text first."""
         if self.hf.backend_tokenizer.normalizer is not None:
             return None
         vocab = self.hf.convert_ids_to_tokens(list(range(len(self.hf))))
-        return max((len(t.encode()) for t in vocab if t), default=1)
+        return max((len(t) for t in vocab if t), default=1)
 
     def min_num_tokens(self, text: str) -> int:
         """At least this many tokens encode `text` (0 where no bound is known): a prompt beyond the
@@ -154,9 +155,14 @@ def eos_token_ids(folder: str) -> set[int]:
 
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
-    """The tokenizer of `config`'s model, or None for a model without one."""
+    """The tokenizer of `config`'s model, or None for a model without one; ready for serving: the
+    length bound of `min_num_tokens` is computed now, not on the event loop at the first request."""
     folder = config.model.tokenizer
-    return Tokenizer(folder) if folder else None
+    if not folder:
+        return None
+    tokenizer = Tokenizer(folder)
+    _ = tokenizer.max_token_chars
+    return tokenizer
 
 
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
