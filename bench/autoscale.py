@@ -31,8 +31,16 @@ from kvpilot.bench.arrival_trace import DAY_S, Trace, TraceError, day_trace, loa
 from kvpilot.bench.autoscale_modes import Cluster
 from kvpilot.bench.autoscale_plan import MODES, SIGNALS, Plan, Settings, plan
 from kvpilot.bench.capacity_curve import CapacityCurve, CurveError, load_curve
-from kvpilot.bench.flags import fraction, percent, positive_float, tolerance
-from kvpilot.bench.fleet import FleetResult, SimConfig, simulate
+from kvpilot.bench.flags import (
+    fraction,
+    non_negative_int,
+    percent,
+    positive_float,
+    positive_int,
+    tolerance,
+)
+from kvpilot.bench.fleet import FleetResult, simulate
+from kvpilot.bench.fleet_inputs import SimConfig
 from kvpilot.bench.self_check import self_check
 from kvpilot.operator.autoscale.scaling_spec import (
     DEFAULT_INTERVAL_S,
@@ -54,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="built-in trace: the day's peak before bursts (default: 8 replicas' worth at the SLO)")
     g.add_argument("--duration", type=positive_float, default=DAY_S, metavar="SECONDS",
                    help="built-in trace: the day squeezed into this long")
-    g.add_argument("--bursts", type=int, default=8, help="built-in trace: bursts in the day")
+    g.add_argument("--bursts", type=non_negative_int, default=8, help="built-in trace: bursts in the day")
     g.add_argument("--write-trace", default=None, metavar="FILE", type=Path,
                    help="write the first day simulated as CSV (time_s,rate), which --trace reads back")
     g = parser.add_argument_group("SLO")
@@ -73,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--forecast-horizon", type=_horizon, nargs="+", default=[None], metavar="SECONDS|auto",
                    help="builtin's forecast horizon; auto: the start-up delay plus one interval")
     g.add_argument("--forecast-lookback", type=positive_float, default=DEFAULT_LOOKBACK_S, metavar="SECONDS")
-    g.add_argument("--max-replicas", type=int, default=None, help="maxReplicas (default: 2x the static fleet)")
+    g.add_argument("--max-replicas", type=positive_int, default=None, help="maxReplicas (default: 2x the static fleet)")
     g = parser.add_argument_group("cluster")
     g.add_argument("--startup-delay", type=positive_float, default=120.0, metavar="SECONDS",
                    help="a new replica's creation to Ready: the pod's scheduling and start plus kvpilot's")
@@ -97,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the days simulated (the built-in day's bursts and every day's arrivals); pooled")
     g.add_argument("--choose-on", type=int, nargs="+", default=None, metavar="N",
                    help="days on which each family's setting is chosen, to be judged on the --seed days")
-    g.add_argument("--jobs", type=int, default=1, help="simulations run at once (processes)")
+    g.add_argument("--jobs", type=positive_int, default=1, help="simulations run at once (processes)")
     g.add_argument("--self-check-requests", type=int, default=20_000,
                    help="requests per curve point in the simulator's self-check")
     g.add_argument("--output", default=None, metavar="FILE", help="write JSON here and a PNG beside it")
@@ -116,8 +124,6 @@ def run(args: argparse.Namespace) -> int:
         if slo_rate is None:
             raise ValueError(f"slo: even the curve's lowest rate ({curve.points[0].request_rate:g} req/s) misses "
                              f"P99 TTFT {args.slo_ttft_ms:g} ms; no fleet can meet it")
-        if args.jobs < 1:
-            raise ValueError(f"jobs: must be >= 1, not {args.jobs}")
         grid = Settings(tuple(sorted(set(args.headroom), reverse=True)), tuple(sorted(set(args.tolerance))),
                         tuple(dict.fromkeys(args.forecast_horizon)), args.forecast_lookback, args.interval,
                         args.window, args.max_replicas)
@@ -187,8 +193,6 @@ def _short_runs(curve: CapacityCurve) -> str:
 def _trace(args: argparse.Namespace, slo_rate: float, seed: int) -> Trace:
     if args.trace is not None:
         return load_trace(args.trace)
-    if args.bursts < 0:
-        raise ValueError(f"bursts: must be >= 0, not {args.bursts}")
     return day_trace(args.peak_rate or 8 * slo_rate, args.duration, bursts=args.bursts, seed=seed)
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from kvpilot.bench.arrival_trace import Trace
 from kvpilot.bench.capacity_curve import CapacityCurve
-from kvpilot.bench.fleet import Foresight, Pipeline, Policy, SimConfig
+from kvpilot.bench.fleet_inputs import Foresight, Pipeline, Policy, SimConfig
 from kvpilot.operator.autoscale import ScalingSpec
 from kvpilot.operator.autoscale.scaling_spec import Forecasting, Metric
 

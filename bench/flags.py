@@ -11,13 +11,14 @@ import math
 from kvpilot.runtime.arg_types import (
     checked,
     fraction,
+    non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
     tunable,
 )
 
-__all__ = ["fraction", "non_negative_int", "percent", "positive_float", "positive_int", "rate", "tolerance",
+__all__ = ["fraction", "non_negative_float", "non_negative_int", "percent", "positive_float", "positive_int", "rate", "tolerance",
            "tokenizer_folder", "tunable"]
 
 percent = checked(float, lambda v: 0 < v <= 100, "a number in (0, 100]")

@@ -32,7 +32,8 @@ import numpy as np
 from kvpilot.bench import fleet
 from kvpilot.bench.arrival_trace import Trace
 from kvpilot.bench.capacity_curve import LATENCIES, PERCENTILES, CapacityCurve, CurvePoint
-from kvpilot.bench.fleet import Pipeline, Policy, SimConfig, simulate
+from kvpilot.bench.fleet import simulate
+from kvpilot.bench.fleet_inputs import Pipeline, Policy, SimConfig
 from kvpilot.bench.percentile import percentile
 
 TOLERANCE = 0.10

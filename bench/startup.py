@@ -31,6 +31,7 @@ from typing import Any
 
 from kvpilot.runtime.model_source import cache_root, load_preset, preset_names
 
+from .flags import non_negative_float, positive_float, positive_int
 from .random_checkpoint import write_checkpoint
 
 READ_CHUNK = 64 << 20
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write random weights of this preset's shape once (e.g. llama-3-8b) and time them")
     parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                         help="where --write-checkpoint writes (default $KVPILOT_CACHE/startup/PRESET)")
-    parser.add_argument("--runs", type=int, default=3, help="starts per condition; the table shows medians")
+    parser.add_argument("--runs", type=positive_int, default=3, help="starts per condition; the table shows medians")
     parser.add_argument("--cache", nargs="+", choices=("warm", "cold"), default=["warm", "cold"],
                         help="page-cache conditions to time (cold needs a checkpoint folder)")
     parser.add_argument("--evict", choices=("page-cache", "checkpoint"), default="page-cache",
@@ -52,16 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight readers to compare (KVPILOT_WEIGHT_READER of each run)")
     parser.add_argument("--serve-args", default="",
                         help="more `kvpilot serve` flags, one string (--serve-args='--enforce-eager')")
-    parser.add_argument("--wait-after-ready", type=float, default=0.0, metavar="SECONDS",
+    parser.add_argument("--wait-after-ready", type=non_negative_float, default=0.0, metavar="SECONDS",
                         help="also wait up to this long for the work done after Ready (other block sizes)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a start may take")
+    parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds a start may take")
     parser.add_argument("--output", default=None, help="JSON results (and a PNG beside it)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.runs < 1:
-        print("kvpilot bench startup: error: --runs must be >= 1", file=sys.stderr)
-        return 2
     model = args.model
     result: dict[str, Any] = {"host": os.uname().nodename, "runs": args.runs}
     if args.write_checkpoint:

@@ -81,7 +81,7 @@ async def measure(args: argparse.Namespace) -> Path:
 
 def check(curve_path: Path, num_prompts: int, output_len: int = 256) -> dict[str, object]:
     from kvpilot.bench.capacity_curve import CurveError, load_curve
-    from kvpilot.bench.fleet import SimConfig
+    from kvpilot.bench.fleet_inputs import SimConfig
     from kvpilot.bench.self_check import self_check
 
     runs = json.loads(curve_path.read_text())["runs"]

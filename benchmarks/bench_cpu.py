@@ -110,8 +110,8 @@ def main() -> None:
         if runs:
             shown = ", ".join(f"{r:.1f}" for r in runs)
             print(f"| {names[key]} | {statistics.median(runs):.1f} | {shown} |")
-    ratios = [a / b for a, b in zip(samples["kvpilot"], samples["padded"], strict=True)]
-    if ratios:
+    if samples["padded"]:
+        ratios = [a / b for a, b in zip(samples["kvpilot"], samples["padded"], strict=True)]
         print(f"kvpilot / HF padded, per alternating pair: {', '.join(f'{r:.2f}' for r in ratios)}; "
               f"median {statistics.median(ratios):.2f}; of medians "
               f"{statistics.median(samples['kvpilot']) / statistics.median(samples['padded']):.2f}; "

@@ -20,11 +20,38 @@ if TYPE_CHECKING:  # the base layer sits below the bookkeeping; only the annotat
     from kvpilot.runtime.sched.sequence import Sequence
 
 
+# The tokenizer classes that AutoTokenizer resolves to transformers' generic fast tokenizer (built
+# from tokenizer.json) for a model of these types. AutoTokenizer itself imports torch and reads the
+# model's config to decide (seconds of the API process's start-up); for these the class is loaded
+# directly, the same object AutoTokenizer would return. Any other folder goes through AutoTokenizer.
+_GENERIC_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+_GENERIC_MODEL_TYPES = frozenset({"llama"})
+
+
+def loads_as_generic(folder: Path) -> bool:
+    """The folder's tokenizer is transformers' generic fast tokenizer, whatever loads it."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return (config.get("tokenizer_class") in _GENERIC_CLASSES and "auto_map" not in config
+            and model_type in _GENERIC_MODEL_TYPES and (folder / "tokenizer.json").is_file())
+
+
+def _hf_tokenizer(folder: str) -> Any:
+    if loads_as_generic(Path(folder)):
+        from transformers import PreTrainedTokenizerFast  # TokenizersBackend under its older name
+
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
 class Tokenizer:
     def __init__(self, folder: str) -> None:
-        from transformers import AutoTokenizer
-
-        self.hf = AutoTokenizer.from_pretrained(folder)
+        self.hf = _hf_tokenizer(folder)
         self.eos_token_ids = self._eos_ids(Path(folder))
         self._token_texts: dict[int, str] = {}  # convert_id's: at most one entry a vocabulary id
 
@@ -46,12 +73,13 @@ class Tokenizer:
     @functools.cached_property
     def max_token_chars(self) -> int | None:
         """The most characters of text one token can stand for, where that bounds a text's token
-        count from below (a vocabulary without a normalizer, as byte-level BPE: the tokens' bytes
-        make up the text's); None where a normalizer may shrink the text first."""
+        count from below: a vocabulary without a normalizer, whose token strings are at least as
+        long as the text they decode to (byte-level BPE: one character a byte; sentencepiece: the
+        text with "▁" for spaces); None where a normalizer may shrink the text first."""
         if self.hf.backend_tokenizer.normalizer is not None:
             return None
         vocab = self.hf.convert_ids_to_tokens(list(range(len(self.hf))))
-        return max((len(t.encode()) for t in vocab if t), default=1)
+        return max((len(t) for t in vocab if t), default=1)
 
     def min_num_tokens(self, text: str) -> int:
         """At least this many tokens encode `text` (0 where no bound is known): a prompt beyond the
@@ -127,9 +155,14 @@ def eos_token_ids(folder: str) -> set[int]:
 
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
-    """The tokenizer of `config`'s model, or None for a model without one."""
+    """The tokenizer of `config`'s model, or None for a model without one; ready for serving: the
+    length bound of `min_num_tokens` is computed now, not on the event loop at the first request."""
     folder = config.model.tokenizer
-    return Tokenizer(folder) if folder else None
+    if not folder:
+        return None
+    tokenizer = Tokenizer(folder)
+    _ = tokenizer.max_token_chars
+    return tokenizer
 
 
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:

@@ -163,9 +163,11 @@ class LLMEngine:
         layout = self.runner.layout  # the owner of the block size and the block counts
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, layout.num_swap_blocks)
-        # what serving does not need yet: other block sizes' kernels and graphs, the switch pass
+        # what serving does not need yet: the swap space's host memory, other block sizes' kernels
+        # and graphs, the switch pass
         self.warm_up = WarmUp(self.runner.prepare_later(),
-                              lambda: warm_up_block_switches(self.scheduler, self.block_manager, self.runner))
+                              lambda: warm_up_block_switches(self.scheduler, self.block_manager, self.runner),
+                              idle_first=[("the swap space's host memory", self.runner.allocate_swap_host)])
         self.last_relayout: RelayoutReport | None = None
         self.requests: dict[str, Request] = {}
         self._unscheduled: set[str] = set()  # ids of the requests no step has scheduled yet

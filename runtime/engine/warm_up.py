@@ -8,8 +8,10 @@ it, one *unit* at a time between steps (a kernel probe or one decode graph: tens
 a GPU), so a request that arrives meanwhile waits for at most one unit. `kvpilot serve`'s engine
 core runs units back to back while it has no request, and one every `BUSY_INTERVAL_S` while it
 serves; the switch pass waits for an idle moment, as it re-lays blocks no sequence holds. A live
-change that reaches a size before its graphs are done captures them itself. The offline `LLM`
-runs none of it: a switch there prepares the size it switches to.
+change that reaches a size before its graphs are done captures them itself. Work that would stall
+a step for seconds (the swap space's pinned host memory) runs only while idle, before the units;
+the step that needs it first does it itself. The offline `LLM` runs none of it: a switch there
+prepares the size it switches to, the first swap-out allocates the swap space.
 """
 
 from __future__ import annotations
@@ -25,9 +27,13 @@ logger = logging.getLogger(__name__)
 class WarmUp:
     BUSY_INTERVAL_S = 2.0  # while serving: at most one unit this often (each one stalls a step)
 
-    def __init__(self, units: Iterator[str], idle_pass: Callable[[], None]) -> None:
+    def __init__(self, units: Iterator[str], idle_pass: Callable[[], None],
+                 idle_first: list[tuple[str, Callable[[], None]]] | None = None) -> None:
         self._units: Iterator[str] | None = units
         self._idle_pass: Callable[[], None] | None = idle_pass
+        # (name, work) run while idle before any unit: work too long to stall a step for (seconds),
+        # which a step that needs it earlier does itself
+        self._idle_first = list(idle_first or [])
         self._last = 0.0
         self._seconds = 0.0
         self._done: list[str] = []
@@ -35,7 +41,7 @@ class WarmUp:
 
     @property
     def pending(self) -> bool:
-        return self._units is not None or self._idle_pass is not None
+        return self._units is not None or self._idle_pass is not None or bool(self._idle_first)
 
     def run_one(self, idle: bool) -> None:
         """Run the next unit; `idle`: the engine holds no sequence (the switch pass needs that)."""
@@ -44,7 +50,11 @@ class WarmUp:
         start = time.perf_counter()
         if self._started is None:
             self._started = time.time()
-        if self._units is not None:
+        if idle and self._idle_first:
+            name, work = self._idle_first.pop(0)
+            work()
+            self._done.append(name)
+        elif self._units is not None:
             unit = next(self._units, None)
             if unit is None:
                 self._units = None

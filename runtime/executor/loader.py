@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,23 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> None:
                 tensors[name] = made[id(t)]
 
 
+@contextmanager
+def copy_threads(device: str | torch.device) -> Iterator[None]:
+    """On the CPU, torch's intra-op threads set to one for the block: loading copies and re-lays
+    tensors, which one thread does at the memory's rate, while more threads spin between the many
+    short parallel regions (each copy is one) instead of helping, several times the CPU seconds for
+    the same bytes (`kvpilot bench startup`'s weights phase)."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
     """Random weights: the linear layers' in their method's format, the rest here."""
     device = next(model.parameters()).device
@@ -96,9 +115,9 @@ def load_model(config: ModelConfig, device: str, tp: TPInfo | None = None,
             model.process_weights_after_loading()
     else:
         folder = Path(config.model)
-        reader = choose_reader(torch.device(device))
+        reader = choose_reader()
         size = sum(f.stat().st_size for f in checkpoint_files(folder))
-        with startup.phase("weights", reader=reader, bytes=size), torch.no_grad():
+        with startup.phase("weights", reader=reader, bytes=size), torch.no_grad(), copy_threads(device):
             model.load_weights(checkpoint_weights(folder, torch.device(device), reader))
             if torch.device(device).type == "cuda":
                 torch.cuda.synchronize(device)  # the copies are done: the phase holds all of them

@@ -32,7 +32,7 @@ from kvpilot.runtime.executor.cuda_graphs import (
 )
 from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
 from kvpilot.runtime.executor.kv_cache import KVCacheLayout
-from kvpilot.runtime.executor.loader import load_model, resolve_dtype
+from kvpilot.runtime.executor.loader import copy_threads, load_model, resolve_dtype
 from kvpilot.runtime.executor.models.llama import cos_sin_cache
 from kvpilot.runtime.executor.parallel import TPInfo
 from kvpilot.runtime.executor.sampler import (
@@ -70,7 +70,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, device)
         self.model, self.model_config = load_model(config.model, str(self.device), self.tp, self.startup)
         if self.device.type == "cpu":
-            with self.startup.phase("cpu_pack"):
+            with self.startup.phase("cpu_pack"), copy_threads(self.device):
                 # weights packed once for oneDNN (decode steps are bound by reading them; cpu_linear.py)
                 pack_linears(self.model, config.scheduler.max_num_seqs)
         self.num_kv_heads = self.model.layers[0].num_kv_heads  # this rank's share
@@ -107,8 +107,10 @@ class ModelRunner:
             self._kv_storage = kv_cache.allocate(self.layout, self.layout.capacity_tokens)
             self._views_by_size: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
             self.kv_caches = self._caches_for(self.block_size)
-        with self.startup.phase("swap_alloc", bytes=self.layout.swap_bytes):
-            # the swap space: the device cache's per-block layout, whole blocks across layers (swap.py)
+        staging = min(self.layout.swap_bytes, MAX_STAGING_BYTES)
+        with self.startup.phase("swap_alloc", bytes=staging):
+            # the swap space: the device cache's per-block layout, whole blocks across layers (swap.py);
+            # its device staging now, its host memory after Ready (`allocate_swap_host`)
             self.swap_space = SwapSpace(self.kv_caches, self.layout.swap_bytes,
                                         stacked=kv_cache.stacked_view(self._kv_storage, self.layout))
         self._graph_sets = GraphsBySize()
@@ -153,6 +155,12 @@ class ModelRunner:
                 self.graphs = self._graphs_for(self.block_size)
                 assert self.graphs is not None
                 captured.update(batch_sizes=len(self.graphs.sizes), block_sizes=[self.block_size])
+
+    def allocate_swap_host(self) -> None:
+        """The swap space's host memory, which no step needs until the first swap-out (one that
+        comes first allocates it itself)."""
+        assert self.swap_space is not None
+        self.swap_space.allocate_host()
 
     def prepare_later(self) -> Iterator[str]:
         """The start-up work that serving does not need yet, one unit per item: for each other

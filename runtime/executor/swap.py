@@ -4,7 +4,7 @@ Terms. A *block's bytes* are everything one KV block holds across the model: for
 and its V slice, each `block_size * num_kv_heads * head_dim` elements in the device cache's own
 per-block layout (head-major on the GPU, see `kv_cache_empty`). The swap space keeps them whole:
 
-  host     (num_swap_blocks, num_layers, 2, block_numel)   pinned on CUDA, allocated once
+  host     (num_swap_blocks, num_layers, 2, block_numel)   pinned on CUDA, allocated once (when first needed)
   staging  (num_staging_blocks, num_layers, 2, block_numel) on the device, allocated once
 
 so one host block is one contiguous run and a sequence's host blocks, allocated as a run by the
@@ -95,8 +95,12 @@ class SwapSpace:
         self.device = first.device
         self.dtype = first.dtype
         self.is_cuda = self.device.type == "cuda"
-        # allocated once, for the life of the engine; a block-size change re-views the same memory
-        self._host_bytes = torch.empty(swap_bytes, dtype=torch.uint8, pin_memory=self.is_cuda)
+        # allocated once, for the life of the engine (a block-size change re-views the same memory),
+        # and not before it is needed: pinning gigabytes of host memory takes seconds that a start
+        # does not spend (`allocate_host`, called after Ready while idle, or by the first transfer)
+        self._swap_bytes = swap_bytes
+        self._host_bytes: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None  # `host`, cut for the current block size
         self._staging_bytes = torch.empty(min(swap_bytes, staging_bytes), dtype=torch.uint8, device=self.device)
         self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         # the last swap-in issued by the current step's `swap()`, and the last of earlier steps
@@ -125,12 +129,30 @@ class SwapSpace:
         self._caches = [block_view(c) for kv in kv_caches for c in kv] if stacked is None else []
         self._logical_shape, self._logical_strides = tuple(first.shape[1:]), first.stride()[1:]
         self.bytes_per_block = 2 * self.num_layers * self.block_numel * self.dtype.itemsize
-        self.num_blocks = self._host_bytes.numel() // self.bytes_per_block
+        self.num_blocks = self._swap_bytes // self.bytes_per_block
         self.num_staging_blocks = self._staging_bytes.numel() // self.bytes_per_block
         if self.num_blocks and not self.num_staging_blocks:
             raise ValueError(f"the staging buffer ({self._staging_bytes.numel()} bytes) holds no block of {self.bytes_per_block} bytes")
-        self.host = self._cut(self._host_bytes, self.num_blocks)
+        self._host = None
         self.staging = self._cut(self._staging_bytes, self.num_staging_blocks)
+
+    @property
+    def host_allocated(self) -> bool:
+        return self._host_bytes is not None
+
+    def allocate_host(self) -> None:
+        """The host memory, allocated (pinned on CUDA) if it was not yet."""
+        if self._host_bytes is None:
+            self._host_bytes = torch.empty(self._swap_bytes, dtype=torch.uint8, pin_memory=self.is_cuda)
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The host blocks (num_swap_blocks, num_layers, 2, block_numel); allocated on first use."""
+        if self._host is None:
+            self.allocate_host()
+            assert self._host_bytes is not None
+            self._host = self._cut(self._host_bytes, self.num_blocks)
+        return self._host
 
     def recut(self, kv_caches: KVCaches, moves: list[tuple[list[int], list[int], int]],
               stacked: torch.Tensor | None = None) -> int:
@@ -140,13 +162,16 @@ class SwapSpace:
         blocks will do; one gather and one scatter per sequence, every layer at once. Returns the
         bytes written into the new cut."""
         self.synchronize()
-        old_view = self._token_view()
+        old_view = self._token_view() if moves else None  # no move: no host memory needed yet
         saved = []
         for old, _, num_tokens in moves:
+            assert old_view is not None
             blocks = old_view[torch.tensor(old, dtype=torch.long)]  # (blocks, layers, 2, block_size, heads, dim)
             tokens = blocks.movedim(0, 2).flatten(2, 3)[:, :, :num_tokens]  # (layers, 2, tokens, heads, dim)
             saved.append(tokens)
         self.bind(kv_caches, stacked)
+        if not moves:
+            return 0
         new_view = self._token_view()
         block_size = new_view.shape[3]
         written = 0

@@ -17,8 +17,9 @@ Two readers:
   copy stays on the device. One file is held at a time: the extra device memory is one shard's.
 
 `KVPILOT_WEIGHT_READER` (`auto`, `safetensors`, `fastsafetensors`) picks one, read once when a
-model loads; `auto` takes fastsafetensors for a CUDA device when it is installed, else safetensors.
-`kvpilot bench startup` times both.
+model loads; `auto` is safetensors, the faster of the two where `kvpilot bench startup` timed both
+on a GPU with the checkpoint in the page cache (benchmarks/RESULTS.md, Start-up): a parameter's
+copy from a memory-mapped page costs less than staging every file through bounce buffers.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def choose_reader(device: torch.device) -> str:
-    """The reader `KVPILOT_WEIGHT_READER` names, `auto` resolved for `device`."""
+def choose_reader() -> str:
+    """The reader `KVPILOT_WEIGHT_READER` names (`auto`: safetensors)."""
     choice = os.environ.get(READER_SWITCH, "auto") or "auto"
     if choice not in READERS:
         raise ValueError(f"{READER_SWITCH}={choice!r}: must be one of {', '.join(READERS)}")
@@ -62,9 +63,7 @@ def choose_reader(device: torch.device) -> str:
     if choice == "fastsafetensors" and not installed:
         raise ValueError(f"{READER_SWITCH}=fastsafetensors but the fastsafetensors package is not installed "
                          "(pip install fastsafetensors)")
-    if choice == "auto":
-        return "fastsafetensors" if installed and device.type == "cuda" else "safetensors"
-    return choice
+    return "safetensors" if choice == "auto" else choice
 
 
 class TensorSource:

@@ -117,7 +117,6 @@ def test_a_curve_without_gauges_compares_what_it_can(tmp_path: Path, capsys: pyt
     (["--trace", "__TMP__/bad.csv"], "bad.csv: point 1: time_s and rate must be numbers"),
     (["--self-check-requests", "500"], "(--self-check-requests): at least 2000"),
     (["--pending", "200"], "pending_s: must lie in [0, startup_s = 120]"),
-    (["--jobs", "0"], "jobs: must be >= 1"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
                                       message: str) -> None:
@@ -134,7 +133,10 @@ def test_bad_flags_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str])
     for flag, value, message in (("--headroom", "1.5", "must be a number in (0, 1]"),
                                  ("--slo-goal", "101", "must be a number in (0, 100]"),
                                  ("--tolerance", "1", "must be a number in [0, 1)"), ("--forecast-horizon", "soon", "soon"),
-                                 ("--modes", "vpa", "invalid choice")):
+                                 ("--modes", "vpa", "invalid choice"),
+                                 ("--jobs", "0", "argument --jobs: must be a positive integer, not '0'"),
+                                 ("--max-replicas", "0", "argument --max-replicas: must be a positive integer"),
+                                 ("--bursts", "-1", "argument --bursts: must be a non-negative integer")):
         with pytest.raises(SystemExit):
             parse("--capacity-curve", str(EXAMPLE), flag, value)
         assert message in capsys.readouterr().err

@@ -14,7 +14,8 @@ import yaml
 
 from kvpilot.bench.arrival_trace import Trace
 from kvpilot.bench.capacity_curve import load_curve
-from kvpilot.bench.fleet import Pipeline, Policy, SimConfig, simulate
+from kvpilot.bench.fleet import simulate
+from kvpilot.bench.fleet_inputs import Pipeline, Policy, SimConfig
 from kvpilot.operator.reconcile import parse
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,8 @@ from kvpilot.bench import fleet
 from kvpilot.bench.arrival_trace import Trace
 from kvpilot.bench.autoscale_scrapes import TTFT_BUCKETS
 from kvpilot.bench.capacity_curve import load_curve, parse_curve
-from kvpilot.bench.fleet import Foresight, Pipeline, Policy, SimConfig, simulate
+from kvpilot.bench.fleet import simulate
+from kvpilot.bench.fleet_inputs import Foresight, Pipeline, Policy, SimConfig
 from kvpilot.bench.loadgen import arrival_times
 from kvpilot.bench.self_check import finite_run_throughput, self_check
 from kvpilot.operator.autoscale import ScalingSpec

@@ -15,7 +15,8 @@ from autotune_fixtures import summary
 from kvpilot.bench.arrival_trace import Trace
 from kvpilot.bench.autoscale_modes import Cluster, hpa_decision, keda_decision
 from kvpilot.bench.capacity_curve import load_curve
-from kvpilot.bench.fleet import Pipeline, Policy, SimConfig, simulate
+from kvpilot.bench.fleet import simulate
+from kvpilot.bench.fleet_inputs import Pipeline, Policy, SimConfig
 from kvpilot.operator.autoscale import ScalerState, ScalingSpec
 from kvpilot.operator.autoscale.engine_series import SERIES
 from kvpilot.operator.autoscale.scaling_spec import (

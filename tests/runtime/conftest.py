@@ -12,9 +12,13 @@ from tiny_models import TINY_CONFIGS, make_tiny_model
 
 @pytest.fixture(scope="session")
 def smol_folder() -> str:
-    from kvpilot.runtime.model_source import resolve_model
+    """The embedded model's folder; its tests skip where the model is not installed (a GPU image)."""
+    from kvpilot.runtime.model_source import ModelSourceError, resolve_model
 
-    return resolve_model(None).path
+    try:
+        return resolve_model(None).path
+    except ModelSourceError as e:
+        pytest.skip(f"the embedded model: {e}")
 
 
 @pytest.fixture(scope="session")

@@ -50,14 +50,16 @@ def test_work_after_ready_runs_one_unit_at_a_time_and_the_idle_pass_waits_for_id
             done.append(f"unit {i}")
             yield f"unit {i}"
 
-    warm_up = WarmUp(units(), lambda: done.append("pass"))
+    warm_up = WarmUp(units(), lambda: done.append("pass"), idle_first=[("swap", lambda: done.append("swap"))])
     warm_up.run_one(idle=False)
-    assert done == ["unit 0"] and warm_up.pending
+    assert done == ["unit 0"] and warm_up.pending  # busy: the idle-first work waits, a unit runs
     warm_up.run_if_due(idle=False)  # busy: not again within BUSY_INTERVAL_S
     assert done == ["unit 0"]
+    warm_up.run_one(idle=True)
+    assert done == ["unit 0", "swap"]  # idle: before the remaining units
     for _ in range(5):
         warm_up.run_one(idle=False)
-    assert done == ["unit 0", "unit 1", "unit 2"] and warm_up.pending  # the pass needs an idle engine
+    assert done == ["unit 0", "swap", "unit 1", "unit 2"] and warm_up.pending  # the pass needs an idle engine
     warm_up.run_one(idle=True)
     assert done[-1] == "pass" and not warm_up.pending
     warm_up.run_one(idle=True)
@@ -87,12 +89,12 @@ def choose_reader_installed() -> bool:
     return find_spec("fastsafetensors") is not None
 
 
-def test_reader_choice_is_checked_and_auto_keeps_the_cpu_on_safetensors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reader_choice_is_checked_and_auto_is_safetensors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVPILOT_WEIGHT_READER", raising=False)
-    assert choose_reader(torch.device("cpu")) == "safetensors"
+    assert choose_reader() == "safetensors"
     monkeypatch.setenv("KVPILOT_WEIGHT_READER", "mmap")
     with pytest.raises(ValueError, match="KVPILOT_WEIGHT_READER='mmap': must be one of auto, safetensors"):
-        choose_reader(torch.device("cpu"))
+        choose_reader()
 
 
 def test_an_unwritable_cache_is_replaced_by_a_private_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -127,6 +129,50 @@ def test_eos_ids_read_from_the_files_equal_the_loaded_tokenizers(smol_folder: st
     shutil.copytree(smol_folder, folder, ignore=shutil.ignore_patterns("*.safetensors"))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert eos_token_ids(str(folder)) == Tokenizer(str(folder)).eos_token_ids
+
+
+def test_the_embedded_tokenizer_is_autotokenizers_without_importing_torch(smol_folder: str, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from kvpilot.runtime.tokenizer import Tokenizer
+
+    code = ("import sys; from kvpilot.runtime.tokenizer import Tokenizer; t = Tokenizer(sys.argv[1]);"
+            "print(type(t.hf).__name__, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, smol_folder], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"}).stdout.split()
+    auto = AutoTokenizer.from_pretrained(smol_folder)
+    assert out == [type(auto).__name__, "False"]
+    ours = Tokenizer(smol_folder).hf
+    assert type(ours) is type(auto)
+    for text in ("Hello world", "  spaces, ünïcödé 日本語 🎉", "<|im_start|>user\nhi<|im_end|>", "a\n\n\tb"):
+        ids = auto.encode(text)
+        assert ours.encode(text) == ids, text
+        assert [ours.decode(ids, skip_special_tokens=s) for s in (True, False)] == \
+            [auto.decode(ids, skip_special_tokens=s) for s in (True, False)]
+    assert (ours.all_special_ids, ours.special_tokens_map) == (auto.all_special_ids, auto.special_tokens_map)
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    # a model type whose tokenizer class AutoTokenizer picks by itself goes through AutoTokenizer
+    folder = tmp_path / "qwen2"
+    shutil.copytree(smol_folder, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
+    assert type(Tokenizer(str(folder)).hf) is type(AutoTokenizer.from_pretrained(folder))
+    assert type(Tokenizer(str(folder)).hf) is not type(auto)
+
+
+def test_the_engine_core_imports_no_triton_before_a_cuda_step_needs_it() -> None:
+    """Triton's import is a good part of a second of a CPU start's critical path: the quantized
+    formats' kernels load on their first CUDA product."""
+    code = ("import sys; import kvpilot.runtime.engine.core, kvpilot.runtime.engine.engine;"
+            "from kvpilot.runtime.executor.quant import methods; print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"}).stdout.strip()
+    assert out == "False"
 
 
 def test_kvpilot_serve_imports_no_other_subcommand() -> None:

@@ -100,6 +100,22 @@ def test_a_new_block_size_re_cuts_the_same_host_memory() -> None:
     assert space.host.data_ptr() == pointer and space.num_blocks == 20
 
 
+def test_the_host_memory_is_allocated_when_first_needed() -> None:
+    """Not by the engine's start (seconds of pinning on CUDA): by the first transfer, or by the
+    work after Ready; a block-size change with nothing swapped out needs none either."""
+    caches, stacked = allocated_caches(num_blocks=16, block_size=8, head_major=True)
+    space = SwapSpace(caches, swap_bytes=10 * block_bytes(8), stacked=stacked)
+    assert not space.host_allocated and space.num_blocks == 10
+    large, large_stacked = allocated_caches(num_blocks=8, block_size=16, head_major=True)
+    assert space.recut(large, [], large_stacked) == 0 and not space.host_allocated and space.num_blocks == 5
+    space.swap([(3, 4)], [])
+    assert space.host_allocated
+    pointer = space.host.data_ptr()
+    space.allocate_host()
+    assert space.host.data_ptr() == pointer
+    assert torch.equal(space.host[4].flatten(0, 1), large_stacked[3])  # K0, V0, K1, ...: the stacked order
+
+
 @pytest.mark.parametrize("head_major", [True, False])
 def test_the_stacked_view_holds_each_block_of_every_layer_as_its_own_cache_does(head_major: bool) -> None:
     caches, stacked = allocated_caches(5, 8, head_major)

@@ -103,10 +103,10 @@ from kvpilot.runtime import LLM
 from kvpilot.runtime.executor import model_runner
 
 real = model_runner.load_model
-def load_model(config, device, tp):
+def load_model(config, device, tp, *rest):
     if tp.rank == 1:
         raise OSError("rank 1 cannot read its weights")
-    return real(config, device, tp)
+    return real(config, device, tp, *rest)
 model_runner.load_model = load_model
 
 if __name__ == "__main__":

@@ -125,15 +125,15 @@ def test_client_disconnect_mid_stream_frees_blocks(server: RunningServer) -> Non
             next(line for line in lines if line.startswith("data:"))
         assert server.health()["num_free_blocks"] < server.health()["num_blocks"]
     # the stream is closed: the request is aborted and its blocks return at once
-    server.wait_until(lambda: _idle(server), timeout=5, what="blocks freed after disconnect")
+    server.wait_until(lambda: _idle(server), timeout=30, what="blocks freed after disconnect")
     assert _metrics(server)["vllm:num_requests_running"] == 0
 
 
 def test_client_timeout_on_non_streaming_request_frees_blocks(server: RunningServer) -> None:
     body = {**LONG, "stream": False}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=1.0)
-    server.wait_until(lambda: _idle(server), timeout=5, what="blocks freed after client timeout")
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    server.wait_until(lambda: _idle(server), timeout=30, what="blocks freed after client timeout")
 
 
 def test_full_queue_answers_429(server: RunningServer, client: openai.OpenAI) -> None:
@@ -145,10 +145,10 @@ def test_full_queue_answers_429(server: RunningServer, client: openai.OpenAI) ->
         for _ in range(2):  # a stream's headers arrive once the request is admitted
             _open_stream(stack, http, LONG)
         server.wait_until(lambda: server.health()["waiting_seqs"] == 2, what="two waiting")
-        with pytest.raises(openai.RateLimitError) as info:
-            client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as info:  # (admitted, it would wait for a long stream)
+            client.with_options(timeout=30).completions.create(model=MODEL, prompt="hi", max_tokens=1)
         assert info.value.code == "queue_full" and info.value.response.headers["retry-after"] == "1"
-    server.wait_until(lambda: _idle(server), timeout=5, what="idle after aborting the queue")
+    server.wait_until(lambda: _idle(server), timeout=30, what="idle after aborting the queue")
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices
 
 
@@ -162,11 +162,11 @@ def test_several_prompts_beyond_the_queue_are_refused_whole(server: RunningServe
         _open_stream(stack, http, LONG)
         server.wait_until(lambda: server.health()["waiting_seqs"] == 1, what="one waiting")
         with pytest.raises(openai.RateLimitError) as info:
-            client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=1)
+            client.with_options(timeout=30).completions.create(model=MODEL, prompt=["one", "two"], max_tokens=1)
         assert info.value.code == "queue_full" and info.value.response.headers["retry-after"] == "1"
         health = server.health()
         assert health["waiting_seqs"] == 1 and health["running_seqs"] == 2 and health["pending_requests"] == 3
-    server.wait_until(lambda: _idle(server), timeout=5, what="idle after the streams closed")
+    server.wait_until(lambda: _idle(server), timeout=30, what="idle after the streams closed")
     with pytest.raises(openai.BadRequestError) as bad:  # more prompts than the queue could ever hold
         client.completions.create(model=MODEL, prompt=["one", "two", "three"], max_tokens=1)
     assert bad.value.param == "prompt" and "--max-queue-len 2" in bad.value.message
