@@ -35,4 +35,10 @@ timeout 240 python3 -m kvpilot.runtime.cli bench startup "${common[@]}" --runs 1
     --readers safetensors --wait-after-ready 90 --output "$OUT/startup_fresh.json" 2>&1 | tee "$OUT/startup_fresh.log" | tail -25
 timeout 330 python3 -m kvpilot.runtime.cli bench startup "${common[@]}" --runs 2 --cache warm cold \
     --readers "${readers[@]}" --wait-after-ready 60 --output "$OUT/startup.json" 2>&1 | tee "$OUT/startup.log" | tail -30
+# where the engine core's imports go (the longest phase before the weights): the 15 slowest modules,
+# cumulative microseconds, as the core imports them on this machine
+python3 -X importtime -c "import kvpilot.runtime.engine.core, kvpilot.runtime.engine.engine, torch; torch.cuda.init()" \
+    2> "$OUT/core_importtime.txt"
+echo "core imports, slowest 15 (cumulative us):"
+sort -t'|' -k2 -n -r "$OUT/core_importtime.txt" | head -15
 rm -rf "$TRITON_CACHE_DIR" "$shim"

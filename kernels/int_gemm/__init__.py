@@ -22,12 +22,8 @@ Modules, one concept each:
 * `launcher.py`: argument checks, tile choice per shape and which kernel serves a batch.
 """
 
-from kvpilot.kernels.int_gemm.launcher import (
-           DECODE_MAX_M,
-           int_gemm,
-           int_gemm_decode,
-           int_gemm_prefill,
-)
+from typing import Any
+
 from kvpilot.kernels.int_gemm.layout import (
            IntWeight,
            dequantize,
@@ -38,3 +34,15 @@ from kvpilot.kernels.int_gemm.layout import (
 
 __all__ = ["DECODE_MAX_M", "IntWeight", "dequantize", "int_gemm", "int_gemm_decode", "int_gemm_prefill",
            "int_linear_reference", "pack_rows", "unpack_rows"]
+
+# the kernels import Triton (a good part of a second), which a process that only reads or converts
+# integer weights, or runs them on the CPU, never needs: they load on first use
+_LAUNCHER = frozenset({"DECODE_MAX_M", "int_gemm", "int_gemm_decode", "int_gemm_prefill"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAUNCHER:
+        from kvpilot.kernels.int_gemm import launcher
+
+        return getattr(launcher, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,8 @@
-"""Start-up on CUDA: only the start block size is prepared before the engine is ready; the other
-sizes' kernels and decode graphs, prepared afterwards between steps (engine/warm_up.py), give the
-same tokens as HF while requests run, and a later switch replays them instead of capturing anew;
-the fastsafetensors reader fills the same weights as the safetensors one. Skipped without CUDA."""
+"""Start-up on CUDA: only the start block size is prepared before the engine is ready; the swap
+space's pinned memory and the other sizes' kernels and decode graphs come afterwards between steps
+(engine/warm_up.py), the same tokens as HF come out meanwhile, and a later switch replays the graphs
+instead of capturing anew; the fastsafetensors reader fills the same weights as the safetensors
+one. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def test_other_block_sizes_are_prepared_between_steps_and_replayed_after_a_switc
               num_gpu_blocks_override=BLOCKS)
     engine, runner = llm.engine, llm.engine.runner
     assert runner.captured_block_sizes == [16] and engine.warm_up.pending
+    assert runner.swap_space is not None and not runner.swap_space.host_allocated  # pinned after Ready
     phases = {p.name: p for p in engine.startup.phases}
     assert phases["graphs"].details == {"batch_sizes": 4, "block_sizes": [16]}  # 1, 2, 4 and 8 (max_num_seqs)
     assert phases["kernels"].details["block_sizes"] == [16] and phases["kernels"].details["kernels_compiled"] >= 0
@@ -48,8 +50,10 @@ def test_other_block_sizes_are_prepared_between_steps_and_replayed_after_a_switc
         done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
         engine.warm_up.run_one(idle=False)
     assert [done[str(i)] for i in range(len(batch))] == [hf_greedy(hf, p, 24) for p in batch]
+    assert not runner.swap_space.host_allocated  # busy all along: it waits for an idle moment
     engine.warm_up.finish()
     assert runner.captured_block_sizes == runner.allowed_block_sizes
+    assert runner.swap_space.host_allocated and runner.swap_space.host.is_pinned()
     prepared = {size: runner._graph_sets.get(size) for size in runner.allowed_block_sizes}
     for size in (8, 32):
         engine.update_config({"block_size": size})

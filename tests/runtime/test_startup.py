@@ -165,6 +165,16 @@ def test_the_embedded_tokenizer_is_autotokenizers_without_importing_torch(smol_f
     assert type(Tokenizer(str(folder)).hf) is not type(auto)
 
 
+def test_the_engine_core_imports_no_triton_before_a_cuda_step_needs_it() -> None:
+    """Triton's import is a good part of a second of a CPU start's critical path: the quantized
+    formats' kernels load on their first CUDA product."""
+    code = ("import sys; import kvpilot.runtime.engine.core, kvpilot.runtime.engine.engine;"
+            "from kvpilot.runtime.executor.quant import methods; print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"}).stdout.strip()
+    assert out == "False"
+
+
 def test_kvpilot_serve_imports_no_other_subcommand() -> None:
     code = ("import sys; from kvpilot.runtime.cli import build_parser; build_parser('serve');"
             "print(sorted(m for m in ('kvpilot.operator.cli', 'kvpilot.bench.cli', 'pydantic', 'torch') if m in sys.modules))")

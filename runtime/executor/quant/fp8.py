@@ -18,8 +18,10 @@ de-quantized compute on the same quantized values, so CPU runs check loaders, sc
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -36,10 +38,16 @@ from kvpilot.runtime.executor.quant.base import (
     WeightSource,
 )
 
-try:
-    from kvpilot.kernels import fp8_gemv
-except ImportError:  # no Triton (a CPU-only install): the CUDA branch below is never taken
-    fp8_gemv = None  # type: ignore[assignment]
+
+@functools.cache
+def _gemv() -> ModuleType | None:
+    """kernels/fp8_gemv.py, imported by the first product on CUDA: it imports Triton, a good part of
+    a second that a start on the CPU never needs; None without Triton (a CPU-only install)."""
+    try:
+        from kvpilot.kernels import fp8_gemv
+    except ImportError:
+        return None
+    return fp8_gemv
 
 
 @dataclass(frozen=True)
@@ -164,6 +172,7 @@ class Fp8Method(LinearMethod):
         if not isinstance(x, QuantizedInput):
             x = QuantizedInput(*quantize_fp8(x, layer.static_scale))
         if x.data.is_cuda:
+            fp8_gemv = _gemv()
             if fp8_gemv is not None and x.data.shape[0] <= fp8_gemv.MAX_ROWS:
                 return fp8_gemv.fp8_gemv(x.data, x.scales, layer.weight, layer.weight_scale, layer.bias, layer.dtype)
             # weight.t() is (K, N) column-major, as cuBLASLt wants its second operand

@@ -15,7 +15,7 @@ from abc import abstractmethod
 import torch
 from torch import nn
 
-from kvpilot.kernels.int_gemm import IntWeight, dequantize, int_gemm, int_linear_reference
+from kvpilot.kernels.int_gemm import IntWeight, dequantize, int_linear_reference
 from kvpilot.runtime.executor.quant.base import Linear, LinearMethod, QuantizedInput
 
 # the packed layout's tensors, held by the layer under these names once converted
@@ -64,7 +64,12 @@ class IntLinearMethod(LinearMethod):
         if isinstance(x, QuantizedInput):
             raise TypeError("integer-weight layers take activations as they are, not quantized")
         w: IntWeight = layer.int_weight
-        out = int_gemm(x, w) if x.is_cuda else int_linear_reference(x, w)
+        if x.is_cuda:  # the kernels import Triton: on CUDA only (the package's note)
+            from kvpilot.kernels.int_gemm import int_gemm
+
+            out = int_gemm(x, w)
+        else:
+            out = int_linear_reference(x, w)
         return out if layer.bias is None else out.add_(layer.bias)
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
