@@ -63,7 +63,8 @@ TORCH_FREE = ["kvpilot.runtime.sched.scheduler", "kvpilot.runtime.sched.block_ma
               "kvpilot.runtime.sched.sequence", "kvpilot.runtime.engine.step_inputs",
               "kvpilot.runtime.sched.policies", "kvpilot.runtime.sched.host_blocks",
               "kvpilot.runtime.sched.relayout", "kvpilot.runtime.engine.warm_up",
-              "kvpilot.runtime.executor.inputs", "kvpilot.runtime.cli", "kvpilot.runtime.quantization"]
+              "kvpilot.runtime.executor.inputs", "kvpilot.runtime.cli", "kvpilot.runtime.quantization",
+              "kvpilot.runtime.executor.checkpoint_files"]
 
 LAYER_ORDER = [name for name, _ in RUNTIME_LAYERS]
 

@@ -117,6 +117,11 @@ def run_core(config: EngineConfig, input_addr: str, output_addr: str, max_queue_
     engine = None
     try:
         if engine_factory is None:
+            if config.model.load_format != "dummy":
+                # the disk reads the checkpoint while this process imports torch and builds the model
+                from kvpilot.runtime.executor.checkpoint_files import read_ahead_folder
+
+                read_ahead_folder(config.model.model)
             from kvpilot.runtime.engine.engine import LLMEngine
 
             engine_factory = LLMEngine

@@ -11,14 +11,11 @@ from typing import Any
 import torch
 
 from kvpilot.runtime.config import ModelConfig
+from kvpilot.runtime.executor.checkpoint_files import checkpoint_files
 from kvpilot.runtime.executor.models.llama import LlamaConfig, LlamaForCausalLM
 from kvpilot.runtime.executor.parallel import TPInfo
 from kvpilot.runtime.executor.quant.methods import linear_methods
-from kvpilot.runtime.executor.weight_reader import (
-    checkpoint_files,
-    checkpoint_weights,
-    choose_reader,
-)
+from kvpilot.runtime.executor.weight_reader import checkpoint_weights, choose_reader
 from kvpilot.runtime.model_source import load_preset
 from kvpilot.runtime.startup import StartupLog
 

@@ -10,7 +10,8 @@ Two readers:
 
 * `safetensors` — the safetensors library's own lazy slices (memory-mapped files): a slice read
   reads only its bytes, into CPU memory; the copy to the device is the parameter's. A thread asks
-  the kernel to read the files ahead meanwhile.
+  the kernel to read the files ahead meanwhile (checkpoint_files.py; `kvpilot serve`'s engine
+  core asks first thing, before its imports).
 * `fastsafetensors` — the fastsafetensors package (optional: `pip install fastsafetensors`), which
   copies each file to the device with parallel reads through pinned bounce buffers (or GPUDirect
   Storage where the node has it); sources are views of that device buffer, so each parameter's
@@ -24,9 +25,7 @@ copy from a memory-mapped page costs less than staging every file through bounce
 
 from __future__ import annotations
 
-import json
 import os
-import threading
 from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
@@ -34,24 +33,10 @@ from typing import Any
 
 import torch
 
+from kvpilot.runtime.executor.checkpoint_files import checkpoint_files, read_ahead
+
 READER_SWITCH = "KVPILOT_WEIGHT_READER"
 READERS = ("auto", "safetensors", "fastsafetensors")
-
-
-def checkpoint_files(folder: Path) -> list[Path]:
-    """The folder's safetensors files: those its index names, else every *.safetensors, sorted."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / n for n in names]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{folder}: shards named in the index are missing: {', '.join(missing)}")
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder} has no *.safetensors files")
-    return files
 
 
 def choose_reader() -> str:
@@ -99,25 +84,10 @@ class SafetensorsSlice:
         return t
 
 
-def _read_ahead(files: list[Path]) -> None:
-    """Ask the kernel to read the files into the page cache, in order: from a cold disk, the
-    slices' page faults then find most pages already read (the disk busy throughout) instead of
-    reading them one fault at a time."""
-    for file in files:
-        try:
-            fd = os.open(file, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
-
-
 def safetensors_weights(files: list[Path]) -> Iterator[tuple[str, SafetensorsSlice]]:
     from safetensors import safe_open
 
-    threading.Thread(target=_read_ahead, args=(files,), name="kvpilot-read-ahead", daemon=True).start()
+    read_ahead(files)  # from a cold disk, the slices' page faults then find most pages already read
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)

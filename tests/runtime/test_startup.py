@@ -89,6 +89,27 @@ def choose_reader_installed() -> bool:
     return find_spec("fastsafetensors") is not None
 
 
+def test_read_ahead_starts_once_per_file_and_skips_a_folder_without_a_checkpoint(
+        tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpilot.runtime.executor import checkpoint_files
+
+    advised: list[list[Path]] = []
+    monkeypatch.setattr(checkpoint_files, "_advise", advised.append)
+    monkeypatch.setattr(checkpoint_files, "_asked", set())
+    folder, _ = tiny_models["llama"]
+    files = checkpoint_files.checkpoint_files(Path(folder))
+    checkpoint_files.read_ahead_folder(folder)
+    checkpoint_files.read_ahead_folder(folder)  # the engine core, then the weight reader: once
+    checkpoint_files.read_ahead_folder(str(tmp_path))  # no checkpoint: the loader says so, not this
+    checkpoint_files.read_ahead_folder("llama-3-8b")  # a preset name
+    for _ in range(100):
+        if advised:
+            break
+        time.sleep(0.01)
+    time.sleep(0.1)  # a second thread, were one started, has had its time
+    assert advised == [files]
+
+
 def test_reader_choice_is_checked_and_auto_is_safetensors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVPILOT_WEIGHT_READER", raising=False)
     assert choose_reader() == "safetensors"

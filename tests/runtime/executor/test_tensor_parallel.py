@@ -12,9 +12,10 @@ import torch
 
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.config import ModelConfig
+from kvpilot.runtime.executor.checkpoint_files import checkpoint_files
 from kvpilot.runtime.executor.loader import load_model
 from kvpilot.runtime.executor.parallel import TPInfo
-from kvpilot.runtime.executor.weight_reader import checkpoint_files, safetensors_weights
+from kvpilot.runtime.executor.weight_reader import safetensors_weights
 
 
 def prompts(seed: int) -> list[dict[str, list[int]]]:
