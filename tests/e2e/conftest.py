@@ -16,7 +16,7 @@ from kube_control_plane import OWNER_REFERENCES_ENFORCEMENT, ControlPlane, missi
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvpilot"
-CRD = "crd/inferenceservices.serving.kvpilot.io"
+CRD_NAME = "inferenceservices.serving.kvpilot.io"
 RELEASE, RELEASE_NAMESPACE = "kvpilot", "kvpilot-system"  # the chart's defaults: every namespace
 
 
@@ -28,10 +28,10 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
     plane.start(OWNER_REFERENCES_ENFORCEMENT)
     try:
         plane.kubectl("apply", "-f", str(ROOT / "crds"))
-        plane.kubectl("wait", "--for=condition=Established", CRD, "--timeout=60s")
+        plane.wait_for_condition("crd", CRD_NAME, "Established")
         plane.kubectl("delete", "-f", str(ROOT / "crds"), "--wait=true", "--timeout=60s")
         plane.helm_install(CHART, RELEASE, RELEASE_NAMESPACE, {})
-        plane.kubectl("wait", "--for=condition=Established", CRD, "--timeout=60s")
+        plane.wait_for_condition("crd", CRD_NAME, "Established")
         yield plane
     finally:
         plane.stop()

@@ -120,6 +120,16 @@ class ControlPlane:
             raise AssertionError(done.stderr)
         return json.loads(done.stdout)  # type: ignore[no-any-return]
 
+    def wait_for_condition(self, kind: str, name: str, condition: str, timeout: float = 60) -> None:
+        """Until the object's status has `condition` True. Polled here rather than by `kubectl wait`,
+        which in kubectl 1.37 fails at once on an object whose status has no conditions yet (a CRD
+        just created) instead of waiting for them."""
+        def holds() -> bool:
+            obj = self.get(kind, name) or {}
+            return any(c.get("type") == condition and c.get("status") == "True"
+                       for c in obj.get("status", {}).get("conditions") or [])
+        eventually(holds, timeout, f"{kind}/{name} {condition}")
+
     def apply(self, obj: dict[str, Any] | list[dict[str, Any]], *args: str) -> subprocess.CompletedProcess[str]:
         docs = obj if isinstance(obj, list) else [obj]
         return self.kubectl("apply", "-f", "-", *args, stdin=yaml.safe_dump_all(docs), check=False)
