@@ -73,12 +73,24 @@ class Service:
                                                          "serving.kvpilot.io/inferenceservice": self.name}},
                    "spec": {"automountServiceAccountToken": False, "containers": [
                        {"name": "server", "image": "kvpilot:test", "ports": [{"name": "http", "containerPort": port}]}]}}
-            # the namespace's default ServiceAccount, which admission wants, comes a moment after it
+            self._default_service_account()
             eventually(functools.partial(self._create_pod, pod), what=f"pod {name} created")
             self.core.patch_namespaced_pod_status(name, self.namespace, {"status": {
                 "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
                 "conditions": [{"type": "Ready", "status": "True"}]}})
             self.engines[name] = engine
+
+    def _default_service_account(self) -> None:
+        """The namespace's `default` ServiceAccount, which admission wants before any pod: the
+        controller-manager makes it a moment after the namespace, or (seen on a loaded CI machine)
+        not within half a minute; made here when it is not there yet."""
+        import kubernetes
+
+        try:
+            self.core.create_namespaced_service_account(self.namespace, {"metadata": {"name": "default"}})
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 409:  # the controller-manager made it first
+                raise
 
     def _create_pod(self, pod: dict[str, Any]) -> bool:
         import kubernetes

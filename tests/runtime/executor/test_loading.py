@@ -126,7 +126,7 @@ def test_generate_cli_prints_the_answer_and_rejects_bad_flags(tmp_path: Path) ->
     bad = subprocess.run([str(exe), "generate", "--block-size", "12", "x"], cwd=tmp_path, capture_output=True, text=True)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
-        "kvpilot generate: error: argument --block-size: invalid choice: 12 (choose from 8, 16, 32, 64) (see --help)"]
+        "kvpilot generate: error: argument --block-size: must be one of 8, 16, 32, 64, not '12' (see --help)"]
 
 
 def test_auto_dtype_is_bf16_on_every_cuda_device_and_fp32_on_cpu() -> None:
