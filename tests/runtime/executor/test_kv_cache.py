@@ -116,6 +116,12 @@ def test_merge_that_cannot_fit_drops_the_fewest_sequences() -> None:
         plan_relayout(16, 24, 4, 2, seqs, max_batch=4)
 
 
+def test_merge_into_a_cut_of_no_blocks_drops_every_sequence_that_holds_one() -> None:
+    # a swap space of 12 blocks of 8 tokens holds no block of 128: the swapped sequences are recomputed
+    plan = plan_relayout(8, 128, 12, 0, [([0, 1], 16), ([], 0), ([2], 3)], max_batch=4)
+    assert plan.tables == (None, [], None) and plan.batches == ()
+
+
 def test_layout_counts_blocks_from_one_allocation() -> None:
     layout = KVCacheLayout(block_size=16, num_blocks=21, capacity_tokens=336, num_layers=3, num_kv_heads=2,
                            head_dim=16, dtype=torch.float32, device="cpu", head_major=False, swap_capacity_tokens=40)
