@@ -361,6 +361,9 @@ class EngineCore:
             enable_prefix_caching=cache.enable_prefix_caching,
             waiting_requests_by_tenant=dict(e.scheduler.backlog),
             warming_up=self._warming_up,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            scheduler_policy=sched.policy,
         )
 
 
