@@ -18,7 +18,8 @@ Adding a tunable (each step fails a test in tests/runtime/test_tunables.py until
 1. here: its `Tunable` in `TUNABLES`, its `LiveConfig` field, its row in the table above;
 2. its holder in the runtime: a `SchedulerConfig` field of the same name listed in
    `SCHEDULER_TUNABLES` (config.py), or an engine-specific path in `LLMEngine.update_config`;
-   its `EngineArgs` field (args.py), passed on to that config;
+   its `EngineArgs` field (args.py), passed on to that config; its `EngineSnapshot` field
+   (engine/messages.py), which the metrics export per pod;
 3. the operator's spec: its `EngineSpec` field (operator/spec.py) and its CRD properties
    (spec.engine, status.engine, status.tuning.config in crds/, copied to the chart's crds/).
 """

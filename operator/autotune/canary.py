@@ -12,17 +12,23 @@ happens to send different shares of its requests. Instead, on load-normalised fi
   capacity, whatever the load was. The canary rolls back when its capacity is lower by more than
   `canary.tolerance`, and is promoted otherwise.
 * neither saturated, at a *comparable offered load* (finished requests per second per pod within
-  the load tolerance, the larger of twice `canary.tolerance` and 20%): the share of requests that
-  met the SLO's TTFT and the P99 TTFT and ITL are compared. The canary rolls back when its share
-  is lower by more than `tolerance` (absolute), or a P99 is higher by more than `tolerance`
-  (relative) with no gain in the share; it is promoted otherwise.
-* anything else — one side saturated and not the other, or loads too far apart — shows the load,
-  not the config: the canary waits for windows that compare, and rolls back at the timeout.
+  the comparable tolerance, the larger of twice `canary.tolerance` and 20%): the share of
+  requests that met the SLO's TTFT and the P99 TTFT and ITL are compared. The canary rolls back
+  when its share is lower by more than `tolerance` (absolute), or a P99 is higher by more than
+  `tolerance` (relative) with no gain in the share; it is promoted otherwise.
+* either way, only at a *comparable request mix* (prompt and generated tokens per request,
+  `signals`, each within the comparable tolerance): capacity in tokens/s and latency both follow
+  the mix (a long prompt's prefill runs many more tokens a second than decoding, and starts
+  later), so a lone replica's two windows across a change of traffic — chat giving way to long
+  documents — compare the traffic, not the configs. Concurrent pods meet the same mix, unless a
+  few long requests fell unevenly: that waits too.
+* anything else — one side saturated and not the other, loads or mixes too far apart — shows
+  the traffic, not the config: the canary waits for windows that compare, and rolls back at the
+  timeout.
 A side with fewer than `min_requests` finished requests decides nothing either: the canary
 waits, and rolls back once `timeout_s` has passed, since a change that cannot be shown to help
 is not worth keeping.
 """
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -33,11 +39,11 @@ from kvpilot.runtime.tunables import LiveConfig
 
 from .outcomes import saturated
 from .signals import Signals, aggregate
-from .tuning_spec import TuningSpec
+from .tuning_spec import Knobs, TuningSpec
 from .window import WindowSummary
 
 Verdict = Literal["promote", "rollback", "wait"]
-MIN_LOAD_TOLERANCE = 0.2  # offered loads within this (relative) compare on latency and SLO share
+MIN_COMPARABLE = 0.2  # offered loads and request mixes within this (relative) compare
 
 
 @dataclass(frozen=True)
@@ -57,10 +63,8 @@ def judge(canary: WindowSummary | None, baseline: Sequence[WindowSummary], targe
     if canary is None or not baseline:
         missing = "the canary pod" if canary is None else "the baseline"
         return _wait_or_give_up(f"no window yet for {missing}", timed_out, None, None)
-    reported = (canary.settings.block_size, canary.settings.preemption_mode)
-    if reported != (target.block_size, target.preemption_mode):
-        return _wait_or_give_up(f"the canary pod reports block_size {reported[0]}, {reported[1]}, not the "
-                                f"target's {target.block_size}, {target.preemption_mode}", timed_out, None, None)
+    if differences := canary.settings.knobs.differences(Knobs.of(target)):
+        return _wait_or_give_up(f"the canary pod reports {differences}: not the target", timed_out, None, None)
     mine, theirs = aggregate([canary], spec.slo), aggregate(baseline, spec.slo)
     if elapsed_s < c.window_s:
         return CanaryJudgement("wait", f"canary window: {elapsed_s:.0f} of {c.window_s:g} s", mine, theirs)
@@ -68,18 +72,37 @@ def judge(canary: WindowSummary | None, baseline: Sequence[WindowSummary], targe
         return _wait_or_give_up(f"not enough requests: canary {mine.num_requests}, baseline "
                                 f"{theirs.num_requests}, {c.min_requests} needed on each side", timed_out, mine, theirs)
     full = (saturated([canary], spec.thresholds), saturated(list(baseline), spec.thresholds))
-    if full == (True, True):
-        return _compare_capacity(mine, theirs, c.tolerance)
-    load = max(2 * c.tolerance, MIN_LOAD_TOLERANCE)
+    comparable = max(2 * c.tolerance, MIN_COMPARABLE)
     offered = f"{mine.requests_per_s:.3f} vs {theirs.requests_per_s:.3f} requests/s per pod"
-    if full != (False, False):
+    if full in ((True, False), (False, True)):
         side = "the canary" if full[0] else "the baseline"
         return _wait_or_give_up(f"only {side} ran at capacity ({offered}): the load differs, nothing compares",
                                 timed_out, mine, theirs)
-    if abs(mine.requests_per_s - theirs.requests_per_s) > load * max(theirs.requests_per_s, 1e-9):
-        return _wait_or_give_up(f"offered loads differ by more than {load:.0%} ({offered}): nothing compares",
+    if full == (False, False) and _differ(mine.requests_per_s, theirs.requests_per_s, comparable):
+        return _wait_or_give_up(f"offered loads differ by more than {comparable:.0%} ({offered}): nothing compares",
                                 timed_out, mine, theirs)
+    if mix := _mix_differs(mine, theirs, comparable):
+        return _wait_or_give_up(mix, timed_out, mine, theirs)
+    if full == (True, True):
+        return _compare_capacity(mine, theirs, c.tolerance)
     return _compare_latency(mine, theirs, c.tolerance, offered)
+
+
+def _differ(mine: float, theirs: float, tolerance: float) -> bool:
+    return abs(mine - theirs) > tolerance * max(theirs, 1e-9)
+
+
+def _mix_differs(mine: Signals, theirs: Signals, tolerance: float) -> str:
+    """Why the two sides' request mixes do not compare; empty when they do."""
+    prompt, generated = mine.prompt_tokens_per_request, mine.generation_tokens_per_request
+    their_prompt, their_generated = theirs.prompt_tokens_per_request, theirs.generation_tokens_per_request
+    if prompt is None or generated is None or their_prompt is None or their_generated is None:
+        return "no request got its first token on one side: the request mix is unknown"
+    if not (_differ(prompt, their_prompt, tolerance) or _differ(generated, their_generated, tolerance)):
+        return ""
+    return (f"the request mix differs by more than {tolerance:.0%} ({prompt:.0f} vs {their_prompt:.0f} prompt, "
+            f"{generated:.0f} vs {their_generated:.0f} generated tokens a request): the traffic changed, "
+            "nothing compares")
 
 
 def _wait_or_give_up(why: str, timed_out: bool, mine: Signals | None, theirs: Signals | None) -> CanaryJudgement:

@@ -3,6 +3,12 @@
 Levels and rates are per pod (means over the pods), because a Service spreads requests evenly
 and the thresholds are a single engine's; quantiles come from the pods' histograms merged, which
 is exact, never from an average of per-pod quantiles.
+
+The *request mix* is what an average request asks for: prompt tokens and generated tokens per
+request that got its first token (the prompt counter moves at the first token too, so both
+share one denominator). A config does not change it; the traffic does, and with it the
+tokens/s an engine gets through at capacity (a long prompt's prefill runs far more tokens per
+second than decoding).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ class Signals:
     mean_context_tokens: float | None
     generation_tokens_per_s: float
     tokens_per_s: float  # prompt plus generated: at capacity, the config's throughput
+    prompt_tokens_per_request: float | None  # the request mix (module docstring); None without a first token
+    generation_tokens_per_request: float | None
     requests_per_s: float  # finished
     goodput_per_s: float  # finished requests that met the TTFT target (all of them without one)
     slo_share: float  # of the requests with a first token, those within the TTFT target (1 without one)
@@ -44,6 +52,7 @@ def aggregate(summaries: Sequence[WindowSummary], slo: SloTargets) -> Signals:
         raise ValueError("summaries: at least one pod's window is needed")
     ttft = Histogram.merge(s.ttft for s in summaries)
     contexts = [s.mean_context_tokens for s in summaries if s.mean_context_tokens is not None]
+    started = ttft.count
     return Signals(
         num_pods=len(summaries),
         duration_s=min(s.duration_s for s in summaries),
@@ -55,6 +64,10 @@ def aggregate(summaries: Sequence[WindowSummary], slo: SloTargets) -> Signals:
         mean_context_tokens=fmean(contexts) if contexts else None,
         generation_tokens_per_s=fmean(s.generation_tokens_per_s for s in summaries),
         tokens_per_s=fmean(s.prompt_tokens_per_s + s.generation_tokens_per_s for s in summaries),
+        prompt_tokens_per_request=sum(s.prompt_tokens_per_s * s.duration_s for s in summaries) / started
+        if started else None,
+        generation_tokens_per_request=sum(s.generation_tokens_per_s * s.duration_s for s in summaries) / started
+        if started else None,
         requests_per_s=fmean(s.e2e.count / s.duration_s for s in summaries),
         goodput_per_s=fmean(_goodput(s, slo) for s in summaries),
         slo_share=1.0 if slo.ttft_p99_s is None or ttft.count == 0 else ttft.count_at_most(slo.ttft_p99_s) / ttft.count,

@@ -36,7 +36,7 @@ from kvpilot.runtime.engine.block_switch import (
     change_block_size,
     warm_up_block_switches,
 )
-from kvpilot.runtime.engine.step_inputs import build_step_inputs
+from kvpilot.runtime.engine.step_inputs import build_step_inputs, rewind
 from kvpilot.runtime.engine.warm_up import WarmUp
 from kvpilot.runtime.errors import RequestError, RowsFailedError
 from kvpilot.runtime.executor.inputs import StepInputs
@@ -312,7 +312,7 @@ class LLMEngine:
         async scheduling the outputs are those of the step before, which the device ran while this
         one was scheduled and queued."""
         start = time.perf_counter()
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         # every step, even without copies: the runner orders copies in flight by these calls
         self.runner.swap_blocks(sched.swap_out, sched.swap_in)
         done, self._drained = self._drained, _Resolved()
@@ -325,9 +325,9 @@ class LLMEngine:
         """Queue the step on the device, then move the host's view on as if it had run: the
         scheduled tokens count as computed and each sampled token as pending, so the next step can
         be scheduled before this one's tokens are known. None if every request in it failed."""
-        inputs = build_step_inputs(sched.scheduled, self.runner.block_size, self.eos_token_ids,
-                                   self._finished_seq_ids)
-        self._finished_seq_ids = []
+        inputs = self._build_inputs(sched)
+        if inputs is None:
+            return None
         if self._in_flight is not None and _reads_token_history(inputs):
             # sampling reads the tokens so far: the step in flight is postprocessed first
             launched, self._in_flight = self._in_flight, None
@@ -357,6 +357,53 @@ class LLMEngine:
         owners = [(self.requests[request_id], count) for request_id, count in inputs.prompt_logprob_owners]
         return _Launched(sched, sampled, prompt, owners)
 
+    def _schedule(self) -> SchedulerOutput:
+        """`scheduler.schedule()`. If it raises, the requests whose own values make scheduling raise
+        (`Scheduler.check`) end alone and the step is scheduled again without them; an error that no
+        request explains ends the core, as before. Nothing is probed while scheduling succeeds."""
+        try:
+            return self.scheduler.schedule()
+        except Exception:
+            seqs = [seq for request in self.requests.values() for seq in request.seqs if not seq.is_finished]
+            if not self._fail_culprits(seqs, self.scheduler.check):
+                raise
+        return self.scheduler.schedule()
+
+    def _build_inputs(self, sched: SchedulerOutput) -> StepInputs | None:
+        """The step's inputs; as `_schedule`, a scheduled sequence whose own values make building
+        them raise (each is tried alone) ends its request, and the rest are built again. None if no
+        sequence is left."""
+        block_size, eos = self.runner.block_size, self.eos_token_ids
+        try:
+            inputs = build_step_inputs(sched.scheduled, block_size, eos, self._finished_seq_ids)
+        except Exception:
+            by_seq = {s.seq: s for s in sched.scheduled}
+
+            def alone(seq: Sequence) -> None:
+                rewind(build_step_inputs([by_seq[seq]], block_size, eos, []), [by_seq[seq]])
+
+            if not self._fail_culprits(list(by_seq), alone):
+                raise
+            sched.scheduled = [s for s in sched.scheduled if s.seq.request.error is None]
+            if not sched.scheduled:
+                return None
+            inputs = build_step_inputs(sched.scheduled, block_size, eos, self._finished_seq_ids)
+        self._finished_seq_ids = []
+        return inputs
+
+    def _fail_culprits(self, seqs: list[Sequence], trial: Callable[[Sequence], None]) -> bool:
+        """End alone each request one of whose `seqs` makes `trial` raise; whether any did."""
+        failed = False
+        for seq in seqs:
+            if seq.request.error is not None:
+                continue
+            try:
+                trial(seq)
+            except Exception as error:  # noqa: BLE001 - its own values: it alone fails
+                self._fail_request(seq.request, f"scheduling failed: {type(error).__name__}: {error}")
+                failed = True
+        return failed
+
     def _queue_on_device(self, sched: SchedulerOutput, inputs: StepInputs) -> tuple[
             tuple[DeviceSample | None, DevicePromptLogprobs | None], StepInputs] | None:
         """`runner.launch(inputs)` and the inputs it ran. A request whose sampling fails ends alone
@@ -365,6 +412,7 @@ class LLMEngine:
             try:
                 return self.runner.launch(inputs), inputs
             except RowsFailedError as failed:
+                rewind(inputs, sched.scheduled)
                 seqs = {s.seq.seq_id: s.seq for s in sched.scheduled}
                 for seq_id, message in failed.errors.items():
                     self._fail_request(seqs[seq_id].request, f"sampling failed: {message}")

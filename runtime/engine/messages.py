@@ -85,6 +85,11 @@ class EngineSnapshot(msgspec.Struct, frozen=True, array_like=True):
     enable_prefix_caching: bool = False
     waiting_requests_by_tenant: dict[str, int] = {}  # requests waiting or swapped out, per tenant
     warming_up: bool = False  # start-up work left for after Ready still runs (engine/warm_up.py)
+    # with block_size and preemption_mode, every live tunable by its name (runtime/tunables.py),
+    # which the metrics export for the operator to check each pod's config
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    scheduler_policy: str = ""
 
 
 class StepStatsMsg(msgspec.Struct, array_like=True):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
 from kvpilot.runtime.sched.scheduler import ScheduledSeq
-from kvpilot.runtime.sched.sequence import Sequence
+from kvpilot.runtime.sched.sequence import Request, Sequence
 
 PENDING = -1  # the input id of a pending token until the runner fills it in on the device
 
@@ -15,8 +15,10 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, eos_token_
                       finished_seq_ids: list[int]) -> StepInputs:
     """Each scheduled sequence's next `num_new_tokens` tokens, back to back; the sequences that
     reach their last token sample, in the order they are scheduled. A pending last token (async
-    scheduling: sequence.py) goes in as `PENDING`, listed in `pending_rows`."""
+    scheduling: sequence.py) goes in as `PENDING`, listed in `pending_rows`. It changes nothing
+    unless it returns (the prompt-logprob cursors move at the end), so the engine may call it again."""
     inputs = StepInputs([], [], [], [], [], [0], [], finished_seq_ids=finished_seq_ids)
+    cursors: dict[Request, int] = {}  # request -> its prompt-logprob cursor after this step
     input_ids, positions, slot_mapping = inputs.input_ids, inputs.positions, inputs.slot_mapping
     query_start_loc, num_rows = inputs.query_start_loc, 0
     for s in scheduled:
@@ -37,7 +39,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, eos_token_
             positions.extend(range(start, end))
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         if start < seq.num_prompt_tokens - 1 and seq.needs_prompt_logits:  # one comparison for decodes
-            _add_prompt_logprob_rows(inputs, seq, start, end, num_rows)
+            _add_prompt_logprob_rows(inputs, seq, start, end, num_rows, cursors)
         inputs.block_tables.append(table)
         inputs.seq_lens.append(start + s.num_new_tokens)
         num_rows += s.num_new_tokens
@@ -45,21 +47,33 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, eos_token_
         if s.samples:
             inputs.logits_rows.append(num_rows - 1)
             inputs.sampling_rows.append(sampling_row(seq, eos_token_ids))
+    for request, cursor in cursors.items():
+        request.prompt_logprob_cursor = cursor
     return inputs
 
 
-def _add_prompt_logprob_rows(inputs: StepInputs, seq: Sequence, start: int, end: int, first_row: int) -> None:
+def rewind(inputs: StepInputs, scheduled: list[ScheduledSeq]) -> None:
+    """Undo what building `inputs` from `scheduled` moved (the prompt-logprob cursors), so that the
+    step can be built again, without some of them."""
+    requests = {s.seq.request.request_id: s.seq.request for s in scheduled}
+    for request_id, count in inputs.prompt_logprob_owners:
+        requests[request_id].prompt_logprob_cursor -= count
+
+
+def _add_prompt_logprob_rows(inputs: StepInputs, seq: Sequence, start: int, end: int, first_row: int,
+                             cursors: dict[Request, int]) -> None:
     """Rows for the prompt positions of `start:end` that predict a prompt token and were never
-    scheduled for it; the request's cursor moves past them."""
+    scheduled for it; the request's cursor (in `cursors` until the step is built) moves past them."""
     request = seq.request
-    begin, stop = max(start, request.prompt_logprob_cursor), min(end, seq.num_prompt_tokens - 1)
+    cursor = cursors.get(request, request.prompt_logprob_cursor)
+    begin, stop = max(start, cursor), min(end, seq.num_prompt_tokens - 1)
     if begin >= stop:
         return
     inputs.prompt_logprob_rows.extend(range(first_row + begin - start, first_row + stop - start))
     inputs.prompt_logprob_targets.extend(seq.token_ids[begin + 1:stop + 1])
     inputs.prompt_logprob_k = max(inputs.prompt_logprob_k, request.params.prompt_logprobs or 0)
     inputs.prompt_logprob_owners.append((request.request_id, stop - begin))
-    request.prompt_logprob_cursor = stop
+    cursors[request] = stop
 
 
 def sampling_row(seq: Sequence, eos_token_ids: frozenset[int]) -> SamplingRow:

@@ -195,6 +195,17 @@ class Scheduler:
                 self._admit_waiting(out, budget)
         return out
 
+    def check(self, seq: Sequence) -> None:
+        """Raise what scheduling `seq` raises from its own request's values (its place in the
+        policy's orders, its prefix and block counts), changing nothing: after a `schedule()` that
+        raised, the engine asks this of each sequence to find the requests to end alone."""
+        policy = self.policy
+        policy.order([seq])
+        policy.victim([seq])
+        policy.admission(deque([seq])).peek()
+        self.block_manager.match_prefix(seq)
+        self.block_manager.num_new_blocks(seq, seq.num_uncomputed_tokens)
+
     def _swap_in(self, out: SchedulerOutput) -> None:
         """Bring swapped sequences back into fresh device blocks, oldest first, while the headroom
         stays free. They run from the next step, once their copies have landed."""

@@ -18,12 +18,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from kvpilot.runtime.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 MAX_NAME_CHARS = 256  # `model`, `user`: names, echoed in errors and metric labels
 MAX_CHAT_TEMPLATE_CHARS = 1 << 17  # a request's own chat template (--trust-request-chat-template)
+# prompts in one completions request, also when --max-queue-len is unset: each is an engine request,
+# admitted together, so the list is refused before its items are even validated
+MAX_PROMPTS = 1024
 
 
 class APIError(Exception):
@@ -178,6 +182,15 @@ class CompletionRequest(_SamplingFields):
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _at_most_max_prompts(cls, prompt: Any) -> Any:
+        # a list of token ids is one prompt (the context bounds it); a list of anything else is prompts
+        if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and not isinstance(prompt[0], int):
+            raise PydanticCustomError("too_many_prompts", "{count} prompts in one request; at most {limit}",
+                                      {"count": len(prompt), "limit": MAX_PROMPTS})
+        return prompt
 
     @property
     def prompt_only(self) -> bool:

@@ -1,6 +1,7 @@
 """The canary judgement on synthetic windows: promote, roll back, or wait, on load-normalised
-figures only. A change of load during the canary, or an uneven spread of requests over the pods,
-promotes nothing (raw goodput, which follows the load, would have); a real gain is promoted."""
+figures only. A change of load or of request mix during the canary, or an uneven spread of
+requests over the pods, promotes nothing (raw goodput, which follows the load, and tokens/s,
+which follows the mix, would have); a real gain is promoted."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import dataclasses
 
 from autotune_fixtures import summary
 
-from kvpilot.operator.autotune import CanarySpec, LiveConfig, SloTargets, TuningSpec, judge
+from kvpilot.operator.autotune import (
+    CanarySpec,
+    LiveConfig,
+    SloTargets,
+    TuningSpec,
+    WindowSummary,
+    judge,
+)
 
 TARGET = LiveConfig(8, "swap", 256, 2048)
 SPEC = TuningSpec(enabled=True, canary=CanarySpec(window_s=300, timeout_s=900, min_requests=100, tolerance=0.05))
@@ -77,9 +85,66 @@ def test_a_real_gain_at_capacity_is_promoted_and_a_loss_rolled_back_whatever_the
     faster = canary(requests=300, prompt_tokens_per_s=130.0, generation_tokens_per_s=65.0, **BUSY)
     j = judge(faster, before(requests=250, **BUSY), TARGET, SPEC, elapsed_s=400)
     assert j.verdict == "promote" and j.reason == "both at capacity: 195 vs 150 tokens/s per pod"
-    slower = canary(requests=300, prompt_tokens_per_s=80.0, generation_tokens_per_s=40.0, **BUSY)
+    slower = canary(requests=160, prompt_tokens_per_s=80.0, generation_tokens_per_s=40.0, **BUSY)
     j = judge(slower, others(**BUSY), TARGET, SPEC, elapsed_s=300)
     assert j.verdict == "rollback" and j.reason == "both at capacity: 120 vs 150 tokens/s per pod: lower by more than 5%"
+
+
+def served(pod: str, requests: int, prompt: int, generated: int, *, target: bool = False,
+           **fields: float) -> WindowSummary:
+    """A 300 s window of `requests` requests of `prompt` prompt and `generated` generated tokens
+    each, on the target's config or the one before it."""
+    return summary(pod, duration_s=300.0, block_size=8 if target else 16, mode="swap" if target else "recompute",
+                   requests=requests, prompt_tokens_per_s=requests * prompt / 300,
+                   generation_tokens_per_s=requests * generated / 300, **fields)
+
+
+def test_a_change_of_request_mix_at_capacity_alone_promotes_nothing() -> None:
+    """A lone replica saturated by chat before the change and by long documents after it, on a
+    config no better: the long prompts' prefill doubles its tokens/s (what the capacity rule
+    alone promoted on), and the mix shows that the traffic, not the config, changed."""
+    chat = [served("canary", 600, prompt=150, generated=150, **BUSY)]
+    documents = served("canary", 150, prompt=2000, generated=100, target=True, **BUSY)
+    j = judge(documents, chat, TARGET, SPEC, elapsed_s=400)
+    assert j.verdict == "wait"
+    assert j.reason == ("the request mix differs by more than 20% (2000 vs 150 prompt, 100 vs 150 generated tokens "
+                        "a request): the traffic changed, nothing compares")
+    assert j.canary is not None and j.baseline is not None and j.canary.tokens_per_s > 1.5 * j.baseline.tokens_per_s
+    assert judge(documents, chat, TARGET, SPEC, elapsed_s=900).verdict == "rollback"
+    # nor does the way back, documents giving way to chat, blame the config
+    j = judge(served("canary", 600, prompt=150, generated=150, target=True, **BUSY),
+              [served("canary", 150, prompt=2000, generated=100, **BUSY)], TARGET, SPEC, elapsed_s=400)
+    assert j.verdict == "wait" and j.reason.startswith("the request mix differs")
+
+
+def test_longer_answers_alone_promote_nothing() -> None:
+    """Same prompts, answers four times as long: the generated share moves, the prompt length not."""
+    j = judge(served("canary", 200, prompt=500, generated=400, target=True, **BUSY),
+              [served("canary", 300, prompt=500, generated=100, **BUSY)], TARGET, SPEC, elapsed_s=400)
+    assert j.verdict == "wait" and "400 vs 100 generated" in j.reason
+
+
+def test_a_real_gain_at_capacity_under_the_same_mix_is_promoted() -> None:
+    """Long documents before and after the change, a quarter more of them served."""
+    j = judge(served("canary", 300, prompt=1000, generated=100, target=True, **BUSY),
+              [served("canary", 240, prompt=1000, generated=100, **BUSY)], TARGET, SPEC, elapsed_s=400)
+    assert j.verdict == "promote" and j.reason == "both at capacity: 1100 vs 880 tokens/s per pod"
+
+
+def test_concurrent_pods_under_the_same_mix_judge_a_gain_while_the_phase_changes() -> None:
+    """Every pod moved from chat to documents together: over the same span they share the mix,
+    so the canary's extra capacity shows."""
+    pods = [served(f"pod-{i}", 240, prompt=1000, generated=100, **BUSY) for i in range(2)]
+    j = judge(served("canary", 300, prompt=1000, generated=100, target=True, **BUSY), pods, TARGET, SPEC,
+              elapsed_s=300)
+    assert j.verdict == "promote" and j.baseline is not None and j.baseline.num_pods == 2
+
+
+def test_a_change_of_request_mix_below_capacity_promotes_nothing() -> None:
+    """At the same request rate, documents then chat: the chat's TTFT is lower whatever the config."""
+    j = judge(served("canary", 200, prompt=150, generated=150, target=True, ttft=0.05),
+              [served("canary", 200, prompt=3000, generated=150, ttft=0.5)], TARGET, SPEC, elapsed_s=400)
+    assert j.verdict == "wait" and j.reason.startswith("the request mix differs")
 
 
 def test_a_real_latency_gain_at_a_comparable_load_is_promoted() -> None:
@@ -103,7 +168,8 @@ def test_nothing_is_decided_before_the_canary_window_ends() -> None:
 def test_a_canary_pod_not_running_the_target_is_not_judged() -> None:
     stale = summary("canary", duration_s=300.0, requests=200)  # back on 16, recompute: restarted?
     j = judge(stale, others(), TARGET, SPEC, elapsed_s=300)
-    assert j.verdict == "wait" and "reports block_size 16, recompute, not the target's 8, swap" in j.reason
+    assert j.verdict == "wait"
+    assert j.reason == "the canary pod reports block_size 16 (not 8), preemption_mode recompute (not swap): not the target"
     assert judge(stale, others(), TARGET, SPEC, elapsed_s=900).verdict == "rollback"
 
 

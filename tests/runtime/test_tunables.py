@@ -143,6 +143,16 @@ def test_the_engine_implements_every_tunable() -> None:
     assert {t.name for t in SCHEDULER_TUNABLES} <= {f.name for f in dataclasses.fields(SchedulerConfig)}
 
 
+def test_the_engine_cores_snapshot_carries_every_tunable() -> None:
+    """The API process reports each pod's live config from the snapshot the core sends each step."""
+    from kvpilot.runtime.engine.messages import EngineSnapshot
+
+    fields = EngineSnapshot.__struct_fields__
+    assert {t.name for t in TUNABLES} <= set(fields)
+    snapshot = EngineSnapshot(**NOT_DEFAULT.to_json())
+    assert LiveConfig.from_json({f: getattr(snapshot, f) for f in fields}) == NOT_DEFAULT
+
+
 def test_the_contracts_table_is_its_tunables() -> None:
     """The module docstring's table, which a reader takes for the contract, lists each tunable
     with its spellings, values and default."""

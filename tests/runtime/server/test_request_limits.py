@@ -11,6 +11,8 @@ import openai
 import pytest
 from server_harness import RunningServer, start_server
 
+from kvpilot.runtime.server.protocol import MAX_PROMPTS
+
 MODEL = "SmolLM2-135M-Instruct"
 ADMIN = "admin-token"
 HI = [{"role": "user", "content": "Hi"}]
@@ -55,6 +57,23 @@ def test_the_n_limit_follows_a_live_max_num_seqs_change(server: RunningServer, c
             client.completions.create(model=MODEL, prompt="Hi", n=9, max_tokens=1)
     finally:
         httpx.post(f"{server.base_url}/admin/config", json={"max_num_seqs": 4}, headers=headers, timeout=60)
+
+
+def test_a_prompt_list_is_bounded_without_a_queue_limit(server: RunningServer) -> None:
+    """This server runs without --max-queue-len, as by default: a list of prompts is still capped."""
+    assert server.state.config.max_queue_len is None
+    url = f"{server.base_url}/v1/completions"
+    too_many = httpx.post(url, json={"model": MODEL, "prompt": ["Hi"] * (MAX_PROMPTS + 1), "max_tokens": 1}, timeout=60)
+    assert too_many.status_code == 400, too_many.text
+    error = too_many.json()["error"]
+    assert error["param"] == "prompt" and error["code"] == "invalid_value"
+    assert f"at most {MAX_PROMPTS}" in error["message"]
+    ids = httpx.post(url, json={"model": MODEL, "prompt": [[1, 2]] * 200_000, "max_tokens": 1}, timeout=60)
+    assert ids.status_code == 400 and ids.json()["error"]["param"] == "prompt"
+    # a list of token ids is one prompt, however long: the context bounds it, not the prompt cap
+    long_ids = httpx.post(url, json={"model": MODEL, "prompt": [1] * (MAX_PROMPTS + 1), "max_tokens": 1}, timeout=60)
+    assert long_ids.json()["error"]["code"] == "context_length_exceeded", long_ids.text
+    assert server.health()["pending_requests"] == 0
 
 
 def test_max_tokens_beyond_the_context_is_400(client: openai.OpenAI) -> None:
