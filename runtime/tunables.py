@@ -13,7 +13,8 @@ Plain Python only: the operator imports it without torch.
 | `scheduler_policy` | `--scheduler-policy` | `schedulerPolicy` | fcfs, fair, priority | fcfs |
 
 From `TUNABLES` come the flags of `kvpilot serve` and `kvpilot generate` (spelling, rule, default,
-help), the names `check_changes` accepts, and the operator's flags for the pods and status.engine.
+help), the names `check_changes` accepts, the labels of `kvpilot_live_config_info`, and the
+operator's flags for the pods and status.engine.
 Adding a tunable (each step fails a test in tests/runtime/test_tunables.py until done):
 1. here: its `Tunable` in `TUNABLES`, its `LiveConfig` field, its row in the table above;
 2. its holder in the runtime: a `SchedulerConfig` field of the same name listed in
