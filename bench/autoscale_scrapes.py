@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpilot.bench.capacity_curve import CapacityCurve
-from kvpilot.operator.autotune import EngineSettings, Histogram, WindowSummary
+from kvpilot.operator.autotune import EngineSettings, Histogram, LiveConfig, WindowSummary
 
 # The runtime's TTFT buckets (runtime/server/metrics.py), so a P99 read from the simulated histograms
 # has the resolution it has in a cluster.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _EMPTY = Histogram((math.inf,), (0.0,))
-_SETTINGS = EngineSettings(16, "recompute", 1)
+_SETTINGS = EngineSettings(LiveConfig(16, "recompute", 256, 2048), 1)
 _GAUGES = ("num_requests_waiting", "num_requests_running", "kv_cache_usage")
 
 

@@ -12,10 +12,11 @@ same step (only the pods and the clock differ).
 
 One action a pass:
 * *read*: the config in force is not known yet (a new service): one pod is asked for it
-  (`GET /admin/config`; a reloaded canary's pod runs the target, so another is asked);
-* *converge*: a Ready pod that reports another block size or preemption mode than the config in
-  force (restarted before its ConfigMap was current, or added by a scale-up) is brought to it,
-  the others untouched;
+  (`GET /admin/config`; a reloaded canary's pod runs the target, so another is asked, and the
+  config the canary left, when status kept it, needs no asking);
+* *converge*: a Ready pod that reports other tuned knobs (block size, preemption mode, batch
+  limits: `autotune.Knobs`) than the config in force (restarted before its ConfigMap was current,
+  or added by a scale-up) is brought to it, the others untouched;
 * *judge*: a change being tried on a canary pod is judged (`autotune.judge`) until it is
   promoted to every other pod or rolled back; a canary pod that went away ends it (lost);
 * *decide*: the policy (`autotune.decide`) asks for a change, which goes to the least loaded pod
@@ -48,11 +49,11 @@ from .autotune.endpoint import PodEndpoint
 from .autotune.engine_limits import EngineLimits
 from .autotune.policy import Decision, decide
 from .autotune.sample import EngineSettings
-from .autotune.tuning_spec import EngineTarget, TuningSpec
+from .autotune.tuning_spec import Knobs, TuningSpec
 from .autotune.window import MetricWindow, WindowSummary
 from .events import Event
 from .status import condition
-from .tuner_state import Canary, TunerState, knobs, short
+from .tuner_state import Canary, TunerState, short
 
 Action = Literal["wait", "read", "converge", "canary", "rollout", "promote", "roll_back", "lost"]
 # kvpilot_operator_tuning_decisions_total's outcome label
@@ -132,12 +133,16 @@ def plan(state: TunerState, inputs: TuningInputs) -> Plan:
     # while a rollout runs pods of two specs, their windows are no configuration's capacity
     if observed is not None and inputs.num_templates <= 1:
         outcomes.observe(inputs.summaries(since=observed), spec.thresholds, last_change=state.last_change)
-    pods = {p: EngineTarget(s.block_size, s.preemption_mode) for p, s in inputs.reported.items()}
+    pods = {p: s.knobs for p, s in inputs.reported.items()}
     state = replace(state, outcomes=outcomes, observed=now, pods=pods)
     endpoints = inputs.endpoints
     if not endpoints:
         message = f"no Ready pod could be scraped ({inputs.num_failures} failed)"
         return Plan(replace(state, condition=_tuned(None, "AwaitingMetrics", message)), "wait", events=tuple(events))
+    if state.config is None and state.canary is not None and state.canary.previous is not None:
+        # reloaded before any change was promoted: the config in force is the one the canary left,
+        # which a pod read could not tell when the canary pod is the only one
+        state = replace(state, config=state.canary.previous)
     if state.config is None:
         others = [p for p in endpoints if state.canary is None or p != state.canary.pod]
         return Plan(state, "read", (Change(min(others or endpoints), None),), events=tuple(events))
@@ -147,7 +152,7 @@ def plan(state: TunerState, inputs: TuningInputs) -> Plan:
         return replace(_judge(state, inputs), events=tuple(events))
     config = state.config
     assert config is not None  # read above
-    drift = [Change(p, config) for p, k in sorted(pods.items()) if p in endpoints and k != knobs(config)]
+    drift = [Change(p, config) for p, k in sorted(pods.items()) if p in endpoints and k != Knobs.of(config)]
     if spec.apply == "live" and drift:
         return Plan(state, "converge", tuple(drift), events=tuple(events))
     return replace(_decide(state, inputs), events=tuple(events))
@@ -243,10 +248,10 @@ def settle(plan: Plan, results: list[ChangeResult], inputs: TuningInputs) -> Tun
     pods = dict(state.pods)
     for r in results:
         if r.config is not None:
-            pods[r.pod] = knobs(r.config)
+            pods[r.pod] = Knobs.of(r.config)
         if r.pause_s is not None and r.before is not None and r.config is not None:
             outcomes = outcomes.copy() if outcomes is state.outcomes else outcomes
-            outcomes.record_pause(knobs(r.before), knobs(r.config), r.pause_s)
+            outcomes.record_pause(Knobs.of(r.before).engine, Knobs.of(r.config).engine, r.pause_s)
     state = replace(state, pods=pods, outcomes=outcomes)
     failed = [r for r in results if r.config is None]
     step = TuningStep(state, coordination, plan.events, action=plan.action, calls=tuple(results))
@@ -334,7 +339,7 @@ def _settle_promote(step: TuningStep, plan: Plan, results: list[ChangeResult], f
     message = f"{short(canary.target)} promoted from pod {canary.pod} to every pod: {plan.reason}"
     tuned = (_tuned(False, "AdminCallFailed", f"{message}; not yet on: {'; '.join(r.error for r in failed)}")
              if failed else _tuned(True, "Promoted", message))  # the next passes converge those
-    pods = {**step.state.pods, canary.pod: knobs(canary.target)}
+    pods = {**step.state.pods, canary.pod: Knobs.of(canary.target)}
     record = DecisionRecord(now, "tune", short(canary.previous), short(canary.target),
                             f"promoted from pod {canary.pod}: {plan.reason}")
     step = _ended(step, now, record, config=canary.target, tuned=canary.target, pods=pods, condition=tuned)

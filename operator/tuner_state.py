@@ -8,22 +8,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.runtime.tunables import BLOCK_SIZE, PREEMPTION_MODE, LiveConfig
+from kvpilot.runtime.tunables import LiveConfig
 
 from .autotune.outcomes import Outcomes
-from .autotune.tuning_spec import EngineTarget
+from .autotune.tuning_spec import Knobs
 from .objects import Manifest
 from .timestamps import epoch, iso
 
 MAX_REASON_CHARS = 1024  # the CRD's bound on status.tuning.canary.reason
 
 
-def knobs(config: LiveConfig) -> EngineTarget:
-    return EngineTarget(config.block_size, config.preemption_mode)
-
-
 def short(config: LiveConfig) -> str:
-    return f"block_size {config.block_size}, {config.preemption_mode}"
+    return str(Knobs.of(config))
 
 
 @dataclass(frozen=True)
@@ -61,7 +57,7 @@ class TunerState:
     config: LiveConfig | None = None
     last_change: float | None = None  # when the config in force last changed
     canary: Canary | None = None
-    pods: Mapping[str, EngineTarget] = field(default_factory=dict)  # what each Ready pod last reported
+    pods: Mapping[str, Knobs] = field(default_factory=dict)  # what each Ready pod last reported
     condition: Manifest | None = None  # Tuned
     attempted: float | None = None  # a refused admin call: the cooldown runs from it
     # what each configuration measured at capacity and each switch paused for; never changed in
@@ -70,8 +66,7 @@ class TunerState:
     observed: float | None = None  # the end of the span last fed to `outcomes`
 
     def to_status(self) -> Manifest:
-        out: Manifest = {"pods": [{"pod": p, BLOCK_SIZE.camel: k.block_size, PREEMPTION_MODE.camel: k.preemption_mode}
-                                  for p, k in sorted(self.pods.items())]}
+        out: Manifest = {"pods": [{"pod": p, **k.to_status()} for p, k in sorted(self.pods.items())]}
         if self.tuned is not None:
             out["config"] = self.tuned.to_status()
         # None when there is none: the status patch then removes the last one

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from kvpilot.runtime.tunables import LiveConfig
 
 from ..autotune.policy import Decision
+from ..autotune.tuning_spec import Knobs
 from ..timestamps import iso
 from .policy import ScaleDecision
 
@@ -71,5 +72,4 @@ def appended(entries: Sequence[Mapping[str, Any]], record: DecisionRecord,
 
 
 def _config(config: LiveConfig) -> str:
-    return (f"block_size {config.block_size}, {config.preemption_mode}, max_num_seqs {config.max_num_seqs}, "
-            f"max_num_batched_tokens {config.max_num_batched_tokens}")
+    return str(Knobs.of(config))

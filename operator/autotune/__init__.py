@@ -24,12 +24,22 @@ from .policy import Decision, decide
 from .sample import EngineSettings, Histogram, MetricsError, Sample, parse_metrics
 from .scrape import ScrapeFailure, ScrapeReport, ServiceScraper
 from .signals import Signals, aggregate
-from .tuning_spec import CanarySpec, EngineTarget, KnobRange, SloTargets, Thresholds, TuningSpec
+from .tuning_spec import (
+    TUNED,
+    CanarySpec,
+    EngineTarget,
+    KnobRange,
+    Knobs,
+    SloTargets,
+    Thresholds,
+    TuningSpec,
+)
 from .window import MetricWindow, WindowSummary
 
 __all__ = [
     "AdminClient", "AdminError", "AppliedConfig", "CanaryJudgement", "CanarySpec", "Decision",
-    "EngineLimits", "EngineSettings", "EngineTarget", "Estimate", "Histogram", "KnobRange", "LiveConfig",
+    "TUNED", "EngineLimits", "EngineSettings", "EngineTarget", "Estimate", "Histogram", "KnobRange", "Knobs",
+    "LiveConfig",
     "MetricWindow", "MetricsError", "Outcomes", "PodEndpoint", "Sample", "ScrapeFailure", "ScrapeReport",
     "ServiceScraper", "Signals", "SloTargets", "Thresholds", "TuningSpec", "WindowSummary",
     "aggregate", "decide", "judge", "parse_metrics",

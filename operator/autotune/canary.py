@@ -39,7 +39,7 @@ from kvpilot.runtime.tunables import LiveConfig
 
 from .outcomes import saturated
 from .signals import Signals, aggregate
-from .tuning_spec import TuningSpec
+from .tuning_spec import Knobs, TuningSpec
 from .window import WindowSummary
 
 Verdict = Literal["promote", "rollback", "wait"]
@@ -63,10 +63,8 @@ def judge(canary: WindowSummary | None, baseline: Sequence[WindowSummary], targe
     if canary is None or not baseline:
         missing = "the canary pod" if canary is None else "the baseline"
         return _wait_or_give_up(f"no window yet for {missing}", timed_out, None, None)
-    reported = (canary.settings.block_size, canary.settings.preemption_mode)
-    if reported != (target.block_size, target.preemption_mode):
-        return _wait_or_give_up(f"the canary pod reports block_size {reported[0]}, {reported[1]}, not the "
-                                f"target's {target.block_size}, {target.preemption_mode}", timed_out, None, None)
+    if differences := canary.settings.knobs.differences(Knobs.of(target)):
+        return _wait_or_give_up(f"the canary pod reports {differences}: not the target", timed_out, None, None)
     mine, theirs = aggregate([canary], spec.slo), aggregate(baseline, spec.slo)
     if elapsed_s < c.window_s:
         return CanaryJudgement("wait", f"canary window: {elapsed_s:.0f} of {c.window_s:g} s", mine, theirs)

@@ -1,5 +1,7 @@
-"""The autotuner's memory: what each block size and preemption mode measured while the service
-ran at its capacity, so that the policy can keep what paid on this hardware and leave what did not.
+"""The autotuner's memory: what each configuration of the tuned knobs (`tuning_spec.Knobs`: block
+size, preemption mode and the two batch limits) measured while the service ran at its capacity, so
+that the policy can keep what paid on this hardware and leave what did not. Capacities of two
+batch limits are never merged: a larger batch may get through more tokens per second.
 
 Terms. *Saturated*: a pod's window in which requests waited (mean queue depth at least one and at
 least `queue_depth_low`) or sequences were preempted at `preemptions_per_s_high` or faster: the
@@ -21,9 +23,11 @@ reports that pause (`relayout.pause_ms` in the `POST /admin/config` answer), and
 (from, to) is what the policy weighs a switch's expected gain against.
 
 Estimates and pauses are per service. They are kept in the InferenceService's status
-(`status.tuning.outcomes`, `status.tuning.switchPauses`: one entry per configuration or pair,
-so bounded by the block sizes and modes there are) and reloaded when the operator restarts, so a
-restarted operator does not measure again what it already knew.
+(`status.tuning.outcomes`: one entry per configuration, at most `MAX_OUTCOMES`, those with the
+most saturated time; `status.tuning.switchPauses`: one per pair of block size and mode, so
+bounded by those there are) and reloaded when the operator restarts, so a restarted operator does
+not measure again what it already knew. A status entry without the batch limits (written before
+they were kept) is dropped: it may merge several.
 
 *Basis*: what the figures were measured under (the model, the image, the GPUs and placement, the
 engine flags other than the tuned knobs: `pilot_spec.measurement_basis`), kept beside them in
@@ -34,6 +38,7 @@ estimate and pause (`rebase`). A status written without a basis takes the curren
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,7 +47,7 @@ from typing import Any
 
 from kvpilot.runtime.tunables import BLOCK_SIZE, PREEMPTION_MODE
 
-from .tuning_spec import EngineTarget, Thresholds
+from .tuning_spec import EngineTarget, Knobs, Thresholds
 from .window import WindowSummary
 
 
@@ -60,13 +65,14 @@ class Estimate:
         return self.tokens_per_s - other.tokens_per_s > max(tolerance * other.tokens_per_s, noise)
 
 
-Switch = tuple[EngineTarget, EngineTarget]  # (from, to)
+Switch = tuple[EngineTarget, EngineTarget]  # (from, to): a pause follows the block size, not the batch limits
+MAX_OUTCOMES = 64  # the CRD's bound on status.tuning.outcomes
 _ABSENT = object()  # a status key left out of the patch (None would remove what is stored)
 
 
 class Outcomes:
     def __init__(self, basis: Mapping[str, str] | None = None) -> None:
-        self._sums: dict[EngineTarget, tuple[float, float, float, int]] = {}  # seconds, sum w*x, sum w*x^2, windows
+        self._sums: dict[Knobs, tuple[float, float, float, int]] = {}  # seconds, sum w*x, sum w*x^2, windows
         self._pauses: dict[Switch, tuple[float, int]] = {}  # summed pause seconds, switches
         self.basis: dict[str, str] = dict(basis or {})
         self._dropped = False  # a rebase dropped figures: status must lose them too, until new ones come
@@ -103,20 +109,20 @@ class Outcomes:
         return {pair: total / n for pair, (total, n) in self._pauses.items()}
 
     def observe(self, summaries: Mapping[str, WindowSummary], thresholds: Thresholds, *,
-                last_change: float | None = None) -> EngineTarget | None:
+                last_change: float | None = None) -> Knobs | None:
         """Adds the span the pods' `summaries` cover if they all ran one configuration throughout
         and were saturated; returns that configuration, or None when the span was not counted.
         A span that begins before `last_change` (the latest switch) holds work of two configurations
         and is not counted."""
         if not summaries or any(last_change is not None and s.start < last_change for s in summaries.values()):
             return None
-        settings = {(s.settings.block_size, s.settings.preemption_mode) for s in summaries.values()}
+        settings = {s.settings.knobs for s in summaries.values()}
         if len(settings) != 1 or any(s.settings_changed or s.num_restarts for s in summaries.values()):
             return None
         windows = list(summaries.values())
         if not saturated(windows, thresholds):
             return None
-        key = EngineTarget(*settings.pop())
+        key = settings.pop()
         seconds = min(s.duration_s for s in windows)
         if seconds <= 0:
             return None
@@ -125,7 +131,7 @@ class Outcomes:
         self._sums[key] = (w + seconds, sx + seconds * rate, sxx + seconds * rate * rate, n + 1)
         return key
 
-    def estimate(self, config: EngineTarget) -> Estimate | None:
+    def estimate(self, config: Knobs) -> Estimate | None:
         """Whatever has been observed, measured or not."""
         if config not in self._sums:
             return None
@@ -135,7 +141,7 @@ class Outcomes:
         stderr = math.sqrt(variance / (n - 1)) if n > 1 else math.inf
         return Estimate(mean, stderr, w, n)
 
-    def measured(self, min_seconds: float) -> dict[EngineTarget, Estimate]:
+    def measured(self, min_seconds: float) -> dict[Knobs, Estimate]:
         """The estimates backed by at least `min_seconds` of saturated data: what the policy uses."""
         out = {}
         for config in self._sums:
@@ -152,9 +158,10 @@ class Outcomes:
         gone = None if self._dropped else _ABSENT
         out: dict[str, Any] = {"outcomes": gone, "switchPauses": gone}
         rows = []
-        for config, (w, sx, sxx, n) in sorted(self._sums.items(), key=lambda kv: _order(kv[0])):
+        kept = sorted(self._sums.items(), key=lambda kv: -kv[1][0])[:MAX_OUTCOMES]
+        for config, (w, sx, sxx, n) in sorted(kept, key=lambda kv: _order(kv[0])):
             mean = sx / w
-            rows.append({**_target(config), "tokensPerSecond": round(mean, 3),
+            rows.append({**config.to_status(), "tokensPerSecond": round(mean, 3),
                          "spread": round(math.sqrt(max(0.0, sxx / w - mean * mean)), 3),
                          "seconds": round(w, 3), "windows": n})
         if rows:
@@ -175,7 +182,7 @@ class Outcomes:
         outcomes = cls({str(k): str(v) for k, v in basis.items()} if isinstance(basis, Mapping) else None)
         for row in tuning.get("outcomes") or []:
             try:
-                config, w, n = _from_target(row), float(row["seconds"]), int(row["windows"])
+                config, w, n = Knobs.from_status(row), float(row["seconds"]), int(row["windows"])
                 mean, spread = float(row["tokensPerSecond"]), float(row["spread"])
             except (KeyError, TypeError, ValueError):
                 continue
@@ -200,8 +207,8 @@ def _from_target(row: Mapping[str, Any]) -> EngineTarget:
     return EngineTarget(int(row[BLOCK_SIZE.camel]), str(row[PREEMPTION_MODE.camel]))
 
 
-def _order(config: EngineTarget) -> tuple[int, str]:
-    return config.block_size, config.preemption_mode
+def _order(config: Knobs | EngineTarget) -> tuple[Any, ...]:
+    return dataclasses.astuple(config)
 
 
 def saturated(windows: list[WindowSummary], t: Thresholds) -> bool:

@@ -13,7 +13,8 @@ Rules, in the order a reason lists them:
 * regime: queue depth or preemption rate above its high level, or P99 TTFT over its target while
   requests queue, enters pressure; all below their low levels returns to calm;
 * measured outcomes (`outcomes.py`: each configuration's throughput while saturated, once it has
-  a canary window of data) overrule the two targets, which are only priors. Under pressure: the
+  a canary window of data; those measured at the batch limits in force, since a capacity at other
+  limits says nothing of these) overrule the two targets, which are only priors. Under pressure: the
   pressure target is tried while it is unmeasured; once measured, if it got through fewer tokens
   per second than the best measured configuration (by more than `canary.tolerance` and the
   noise between windows), the untried
@@ -53,7 +54,7 @@ from kvpilot.runtime.tunables import LiveConfig
 from .engine_limits import EngineLimits
 from .outcomes import Estimate, Switch
 from .signals import Signals, aggregate
-from .tuning_spec import EngineTarget, Thresholds, TuningSpec
+from .tuning_spec import EngineTarget, Knobs, Thresholds, TuningSpec
 from .window import WindowSummary
 
 # A limit that binds is hit at every step, but a scrape lands between sequences finishing and
@@ -76,7 +77,7 @@ class Decision:
 
 def decide(summaries: Mapping[str, WindowSummary], current: LiveConfig, spec: TuningSpec,
            limits: EngineLimits, *, now: float, last_change: float | None,
-           measured: Mapping[EngineTarget, Estimate] | None = None,
+           measured: Mapping[Knobs, Estimate] | None = None,
            pauses: Mapping[Switch, float] | None = None) -> Decision:
     """`summaries`: each Ready pod's window over (now - spec.min_dwell_s, now], by pod name.
     `last_change`: when the config in force was applied (or rolled back to); None if never.
@@ -91,7 +92,9 @@ def decide(summaries: Mapping[str, WindowSummary], current: LiveConfig, spec: Tu
         why = "; ".join(left_out) if left_out else "no pod has been scraped"
         return Decision(current, None, f"not enough data: {why}", None)
     signals = aggregate(usable, spec.slo)
-    known = {c: e for c, e in (measured or {}).items() if _allowed(c, spec, limits)}
+    in_force = Knobs.of(current)
+    known = {c.engine: e for c, e in (measured or {}).items()
+             if c == in_force.with_engine(c.engine) and _allowed(c.engine, spec, limits)}
     engine, why_engine = _engine_target(signals, current, spec, limits, known)
     engine, why_cost = _switch_cost(EngineTarget(current.block_size, current.preemption_mode), engine, known,
                                     pauses or {}, spec.min_dwell_s)
@@ -111,9 +114,8 @@ def _usable(summaries: Mapping[str, WindowSummary], current: LiveConfig,
     """The windows that show the config in force for at least the dwell, and why others do not."""
     usable, left_out = [], []
     for pod, s in sorted(summaries.items()):
-        if (s.settings.block_size, s.settings.preemption_mode) != (current.block_size, current.preemption_mode):
-            left_out.append(f"pod {pod} reports block_size {s.settings.block_size}, {s.settings.preemption_mode}, "
-                            f"not the config in force")
+        if (differences := s.settings.knobs.differences(Knobs.of(current))):
+            left_out.append(f"pod {pod} reports {differences}: not the config in force")
         elif s.settings_changed:
             left_out.append(f"pod {pod} changed settings within its window")
         elif s.duration_s < spec.min_dwell_s:

@@ -16,6 +16,10 @@ from functools import reduce
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.runtime.tunables import TUNABLES, LiveConfig
+
+from .tuning_spec import Knobs
+
 # The runtime's metric names (ARCHITECTURE.md, "Metrics"), by the name the window uses.
 GAUGES = {
     "kv_cache_usage": "kvpilot_kv_cache_usage_ratio",
@@ -40,6 +44,7 @@ HISTOGRAMS = {
     "e2e": "vllm:e2e_request_latency_seconds",
 }
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
+LIVE_CONFIG_INFO = "kvpilot_live_config_info"  # a label per live tunable, by its name in the contract
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -50,11 +55,23 @@ class MetricsError(ValueError):
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """The KV-cache settings a pod reports in force (`vllm:cache_config_info`)."""
+    """What a pod reports in force: its live tunables (`kvpilot_live_config_info`) and its KV
+    blocks (`vllm:cache_config_info`)."""
 
-    block_size: int
-    preemption_mode: str
+    config: LiveConfig
     num_gpu_blocks: int
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def preemption_mode(self) -> str:
+        return self.config.preemption_mode
+
+    @property
+    def knobs(self) -> Knobs:
+        return Knobs.of(self.config)
 
 
 @dataclass(frozen=True)
@@ -189,7 +206,9 @@ def parse_metrics(text: str, time: float) -> Sample:
                 for key, name in COUNTERS.items()}
     histograms = {key: {labels: _histogram(name, s) for labels, s in required(name).items()}
                   for key, name in HISTOGRAMS.items()}
-    return Sample(time, _settings(required(CACHE_CONFIG_INFO)), gauges, counters, histograms)
+    settings = EngineSettings(_live_config(_info(required(LIVE_CONFIG_INFO), LIVE_CONFIG_INFO)),
+                              _num_gpu_blocks(_info(required(CACHE_CONFIG_INFO), CACHE_CONFIG_INFO)))
+    return Sample(time, settings, gauges, counters, histograms)
 
 
 def _take(values: dict[str, dict[Labels, _Series]], name: str, labels: dict[str, str], value: float) -> None:
@@ -223,13 +242,24 @@ def _histogram(name: str, series: _Series) -> Histogram:
     return Histogram(bounds, tuple(series.buckets[b] for b in bounds), series.sum, series.created)
 
 
-def _settings(info: dict[Labels, _Series]) -> EngineSettings:
-    in_force = [dict(labels) for labels, s in info.items() if s.value == 1]
+def _info(series: dict[Labels, _Series], name: str) -> dict[str, str]:
+    """The labels of an info metric's one series at 1."""
+    in_force = [dict(labels) for labels, s in series.items() if s.value == 1]
     if len(in_force) != 1:
-        raise MetricsError(f"{CACHE_CONFIG_INFO} should have one series at 1, not {len(in_force)}")
-    labels = in_force[0]
+        raise MetricsError(f"{name} should have one series at 1, not {len(in_force)}")
+    return in_force[0]
+
+
+def _live_config(labels: dict[str, str]) -> LiveConfig:
     try:
-        return EngineSettings(int(labels["block_size"]), labels["preemption_mode"], int(labels["num_gpu_blocks"]))
+        return LiveConfig(**{t.name: t.kind(labels[t.name]) for t in TUNABLES})
+    except (KeyError, ValueError) as e:
+        raise MetricsError(f"{LIVE_CONFIG_INFO} needs a valid label for each of {', '.join(t.name for t in TUNABLES)}, "
+                           f"not {labels}: {e}") from None
+
+
+def _num_gpu_blocks(labels: dict[str, str]) -> int:
+    try:
+        return int(labels["num_gpu_blocks"])
     except (KeyError, ValueError):
-        raise MetricsError(f"{CACHE_CONFIG_INFO} needs integer block_size and num_gpu_blocks and a "
-                           f"preemption_mode label, not {labels}") from None
+        raise MetricsError(f"{CACHE_CONFIG_INFO} needs an integer num_gpu_blocks label, not {labels}") from None

@@ -9,10 +9,20 @@ cooldown, dwell, preemption rate, context length, SLO targets, batch limits, a c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
-from kvpilot.runtime.tunables import BLOCK_SIZE, BLOCK_SIZES, PREEMPTION_MODE, PREEMPTION_MODES
+from kvpilot.runtime.tunables import (
+    BLOCK_SIZE,
+    BLOCK_SIZES,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    PREEMPTION_MODE,
+    PREEMPTION_MODES,
+    LiveConfig,
+    Tunable,
+)
 
 
 @dataclass(frozen=True)
@@ -25,6 +35,54 @@ class EngineTarget:
     def __post_init__(self) -> None:
         BLOCK_SIZE.check(self.block_size)
         PREEMPTION_MODE.check(self.preemption_mode)
+
+
+# The tunables the autotuner moves: what each pod is checked to run and what a measured capacity
+# belongs to. The scheduler policy is the spec's, never tuned.
+TUNED: tuple[Tunable, ...] = (BLOCK_SIZE, PREEMPTION_MODE, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The values of the `TUNED` tunables (fields named as the contract names them, in its order)."""
+
+    block_size: int
+    preemption_mode: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    def __post_init__(self) -> None:
+        for t in TUNED:
+            t.check(getattr(self, t.name))
+
+    @classmethod
+    def of(cls, config: LiveConfig) -> Knobs:
+        return cls(*(getattr(config, t.name) for t in TUNED))
+
+    @property
+    def engine(self) -> EngineTarget:
+        return EngineTarget(self.block_size, self.preemption_mode)
+
+    def with_engine(self, engine: EngineTarget) -> Knobs:
+        return replace(self, block_size=engine.block_size, preemption_mode=engine.preemption_mode)
+
+    def to_status(self) -> dict[str, Any]:
+        """The CRD's spelling (status.tuning.pods, status.tuning.outcomes)."""
+        return {t.camel: getattr(self, t.name) for t in TUNED}
+
+    @classmethod
+    def from_status(cls, row: Mapping[str, Any]) -> Knobs:
+        """What `to_status` wrote; KeyError or ValueError for a row that lacks one or holds a bad one."""
+        return cls(*(row[t.camel] for t in TUNED))
+
+    def __str__(self) -> str:
+        return (f"block_size {self.block_size}, {self.preemption_mode}, max_num_seqs {self.max_num_seqs}, "
+                f"max_num_batched_tokens {self.max_num_batched_tokens}")
+
+    def differences(self, other: Knobs) -> str:
+        """Each knob where `self` differs from `other`, as "name mine (not theirs)"."""
+        return ", ".join(f"{t.name} {getattr(self, t.name)} (not {getattr(other, t.name)})" for t in TUNED
+                         if getattr(self, t.name) != getattr(other, t.name))
 
 
 @dataclass(frozen=True)

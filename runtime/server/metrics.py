@@ -28,7 +28,7 @@ from prometheus_client import (
 
 from kvpilot.runtime.engine.core import EngineSnapshot, StepStatsMsg
 from kvpilot.runtime.outputs import RequestOutput
-from kvpilot.runtime.tunables import PREEMPTION_MODES
+from kvpilot.runtime.tunables import PREEMPTION_MODES, TUNABLES
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,10 @@ class ServerMetrics:
         self.cache_info = Gauge("vllm:cache_config_info", "The KV-cache configuration (value 1).",
                                 m + ["block_size", "num_gpu_blocks", "preemption_mode", "enable_prefix_caching",
                                      "cache_dtype"], registry=r)
+        # every live tunable, labelled by its name in the contract: what the operator checks each
+        # pod runs (vLLM's cache_config_info carries only the cache's part)
+        self.live_config_info = Gauge("kvpilot_live_config_info", "The live tunables in force (value 1).",
+                                      m + [t.name for t in TUNABLES], registry=r)
         self.iteration_time = Histogram("kvpilot_iteration_time_seconds", "Duration of one engine step.", m,
                                         buckets=_ITERATION_BUCKETS, registry=r)
         self.num_running_seqs = Gauge("kvpilot_num_running_seqs", "Sequences running.", m, registry=r)
@@ -130,6 +134,7 @@ class ServerMetrics:
         for label in self.tenants.labels:
             self._add_tenant_series(label)
         self._cache_info_labels: tuple[str, ...] | None = None
+        self._live_config_labels: tuple[str, ...] | None = None
         self._last_token_time: dict[str, float] = {}
         # for the periodic log line; reset by `take_interval`
         self._interval_steps = 0
@@ -184,8 +189,10 @@ class ServerMetrics:
             self.generation_tokens.labels(name).inc(stats.num_generation_tokens)
             if stats.num_preemptions:
                 self.preemptions.labels(name).inc(stats.num_preemptions)
-                self.preemptions_by_mode.labels(name, "swap").inc(stats.num_swapped_out)
-                self.preemptions_by_mode.labels(name, "recompute").inc(stats.num_preemptions - stats.num_swapped_out)
+                # every preemption that did not swap out recomputes
+                by_mode = {"swap": stats.num_swapped_out, "recompute": stats.num_preemptions - stats.num_swapped_out}
+                for mode in PREEMPTION_MODES:  # a mode the contract adds fails here until it is counted
+                    self.preemptions_by_mode.labels(name, mode).inc(by_mode[mode])
             self.swap_bytes.labels(name, "out").inc(stats.swap_out_bytes)
             self.swap_bytes.labels(name, "in").inc(stats.swap_in_bytes)
             self.swap_seconds.labels(name, "out").inc(stats.swap_out_seconds)
@@ -205,11 +212,9 @@ class ServerMetrics:
             self.preemption_mode.labels(name, mode).set(1.0 if mode == snapshot.preemption_mode else 0.0)
         labels = (name, str(snapshot.block_size), str(snapshot.num_blocks), snapshot.preemption_mode,
                   str(snapshot.enable_prefix_caching).lower(), self.cache_dtype)
-        if labels != self._cache_info_labels:
-            if self._cache_info_labels is not None:
-                self.cache_info.remove(*self._cache_info_labels)
-            self.cache_info.labels(*labels).set(1)
-            self._cache_info_labels = labels
+        self._cache_info_labels = _info(self.cache_info, self._cache_info_labels, labels)
+        live = (name, *(str(getattr(snapshot, t.name)) for t in TUNABLES))
+        self._live_config_labels = _info(self.live_config_info, self._live_config_labels, live)
 
     def _record_output(self, out: RequestOutput) -> None:
         name, m = self.model_name, out.metrics
@@ -239,3 +244,12 @@ class ServerMetrics:
         steps, seconds = self._interval_steps, self._interval_time
         self._interval_steps, self._interval_time = 0, 0.0
         return steps, seconds
+
+
+def _info(gauge: Gauge, shown: tuple[str, ...] | None, labels: tuple[str, ...]) -> tuple[str, ...]:
+    """An info metric's one series at 1: `labels` replace the `shown` ones; returns what it shows."""
+    if labels != shown:
+        if shown is not None:
+            gauge.remove(*shown)
+        gauge.labels(*labels).set(1)
+    return labels

@@ -197,7 +197,8 @@ def test_a_restart_keeps_what_tuning_did_and_ends_the_canary_it_left(
     # (the next passes may try the change again: the pressure lasts and the test's cooldown is 1 s)
     assert {"block_size": 16, "preemption_mode": "recompute"} in alone.engines["smol-a"].posts[posts_alone:]
     assert [m for r, m in alone.events() if r == "TuningRolledBack"] == [
-        "pod smol-a back to block_size 16, recompute: " + rolled_back["reason"].split(": ", 1)[1]]
+        "pod smol-a back to block_size 16, recompute, max_num_seqs 256, max_num_batched_tokens 2048: "
+        + rolled_back["reason"].split(": ", 1)[1]]
     # several passes of the new operator's pilot for the live service have run (each scrapes every pod)
     eventually(lambda: all(e.scrapes >= scrapes[name] + 3 for name, e in live.engines.items()), timeout=60,
                what="three passes of the live service's pilot after the restart")

@@ -197,8 +197,8 @@ async def test_a_restarted_operator_acts_on_the_outcomes_in_status_instead_of_tr
             "engine": {"swapSpace": 1}, "autotune": FAST_TUNING}
     tuned = {"blockSize": 16, "preemptionMode": "recompute", "maxNumSeqs": 256, "maxNumBatchedTokens": 2048,
              "schedulerPolicy": "fcfs"}
-    outcomes = [{"blockSize": b, "preemptionMode": m, "tokensPerSecond": rate, "spread": 10.0, "seconds": 120.0,
-                 "windows": 12}
+    outcomes = [{"blockSize": b, "preemptionMode": m, "maxNumSeqs": 256, "maxNumBatchedTokens": 2048,
+                 "tokensPerSecond": rate, "spread": 10.0, "seconds": 120.0, "windows": 12}
                 for b, m, rate in ((8, "recompute", 650.0), (8, "swap", 600.0), (16, "recompute", 1000.0),
                                    (16, "swap", 700.0))]
     await cluster.request("POST", _lifecycle.IS_PATH, {
@@ -228,8 +228,8 @@ async def test_outcomes_are_kept_for_the_spec_they_were_measured_under_and_dropp
     edit of an engine flag they depend on drops them and their pauses, with an Event naming it."""
     spec = {"model": {"source": "embedded"}, "resources": {"gpus": 1}, "replicas": 1,
             "engine": {"swapSpace": 1}, "autotune": FAST_TUNING}
-    outcomes = [{"blockSize": 16, "preemptionMode": "recompute", "tokensPerSecond": 1000.0, "spread": 10.0,
-                 "seconds": 120.0, "windows": 12}]
+    outcomes = [{"blockSize": 16, "preemptionMode": "recompute", "maxNumSeqs": 256, "maxNumBatchedTokens": 2048,
+                 "tokensPerSecond": 1000.0, "spread": 10.0, "seconds": 120.0, "windows": 12}]
     pauses = [{"from": {"blockSize": 16, "preemptionMode": "recompute"},
                "to": {"blockSize": 8, "preemptionMode": "swap"}, "pauseMs": 9.0, "switches": 2}]
     await cluster.request("POST", _lifecycle.IS_PATH, {
@@ -449,8 +449,9 @@ async def test_a_real_kvpilot_serve_is_tuned_live(cluster: Any, tmp_path: Path) 
             assert engine["block_size"] == 32 and engine["preemption_mode"] == "recompute"
             reasons = _reasons(cluster)
             assert "TuningCanary" in reasons and "TuningPromoted" in reasons
-            assert _status(cluster)["tuning"]["pods"] == [{"pod": "smol-a", "blockSize": 32,
-                                                           "preemptionMode": "recompute"}]
+            assert _status(cluster)["tuning"]["pods"] == [{
+                "pod": "smol-a", "blockSize": 32, "preemptionMode": "recompute", "maxNumSeqs": 4,
+                "maxNumBatchedTokens": engine["max_num_batched_tokens"]}]
         finally:
             stop.set()
             if "load" in locals():

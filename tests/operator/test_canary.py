@@ -168,7 +168,8 @@ def test_nothing_is_decided_before_the_canary_window_ends() -> None:
 def test_a_canary_pod_not_running_the_target_is_not_judged() -> None:
     stale = summary("canary", duration_s=300.0, requests=200)  # back on 16, recompute: restarted?
     j = judge(stale, others(), TARGET, SPEC, elapsed_s=300)
-    assert j.verdict == "wait" and "reports block_size 16, recompute, not the target's 8, swap" in j.reason
+    assert j.verdict == "wait"
+    assert j.reason == "the canary pod reports block_size 16 (not 8), preemption_mode recompute (not swap): not the target"
     assert judge(stale, others(), TARGET, SPEC, elapsed_s=900).verdict == "rollback"
 
 

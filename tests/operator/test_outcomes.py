@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from typing import Any
 
 import pytest
 from autotune_fixtures import summary
@@ -18,40 +19,52 @@ from kvpilot.operator.autotune import (
     EngineLimits,
     EngineTarget,
     Estimate,
+    Knobs,
     LiveConfig,
     Outcomes,
     Thresholds,
     TuningSpec,
     decide,
 )
+from kvpilot.operator.autotune.outcomes import MAX_OUTCOMES
 
 LIMITS = EngineLimits(swap_space_gib=4, max_model_len=2048, enable_chunked_prefill=True)
 SPEC = TuningSpec(enabled=True)  # tolerance 5%
-B16_REC, B16_SWAP = EngineTarget(16, "recompute"), EngineTarget(16, "swap")
-B8_REC, B8_SWAP = EngineTarget(8, "recompute"), EngineTarget(8, "swap")
+B16_REC, B16_SWAP = Knobs(16, "recompute", 256, 2048), Knobs(16, "swap", 256, 2048)
+B8_REC, B8_SWAP = Knobs(8, "recompute", 256, 2048), Knobs(8, "swap", 256, 2048)
 T = Thresholds()  # queue depth low 50, preemptions high 1/s
 
 
-def config(target: EngineTarget) -> LiveConfig:
-    return LiveConfig(target.block_size, target.preemption_mode, 256, 2048)
+def config(knobs: Knobs) -> LiveConfig:
+    return LiveConfig(*dataclasses.astuple(knobs))
 
 
-def measured(**rates: float) -> dict[EngineTarget, Estimate]:
-    """`b16_swap=900.0` -> {16/swap: 900 tok/s over 600 s}."""
+def at(knobs: Knobs, **fields: float) -> dict[str, Any]:
+    """summary()'s arguments for a window run on `knobs`."""
+    return {"block_size": knobs.block_size, "mode": knobs.preemption_mode, "max_num_seqs": knobs.max_num_seqs,
+            "max_num_batched_tokens": knobs.max_num_batched_tokens, **fields}
+
+
+def measured(**rates: float) -> dict[Knobs, Estimate]:
+    """`b16_swap=900.0` -> {16/swap: 900 tok/s over 600 s}, at the batch limits 256 and 2048."""
     out = {}
     for name, rate in rates.items():
         block, mode = name[1:].split("_")
-        out[EngineTarget(int(block), "recompute" if mode == "rec" else "swap")] = Estimate(rate, 0.0, 600.0, 60)
+        out[Knobs(int(block), "recompute" if mode == "rec" else "swap", 256, 2048)] = Estimate(rate, 0.0, 600.0, 60)
     return out
 
 
-def decide_on(held: EngineTarget, queue: float, known: dict[EngineTarget, Estimate], spec: TuningSpec = SPEC,
+def pause(source: Knobs, target: Knobs, seconds: float) -> dict[tuple[EngineTarget, EngineTarget], float]:
+    return {(source.engine, target.engine): seconds}
+
+
+def decide_on(held: Knobs, queue: float, known: dict[Knobs, Estimate], spec: TuningSpec = SPEC,
               limits: EngineLimits = LIMITS,
-              pauses: dict[tuple[EngineTarget, EngineTarget], float] | None = None) -> tuple[EngineTarget | None, str]:
-    window = summary(block_size=held.block_size, mode=held.preemption_mode, num_waiting_seqs=queue)
+              pauses: dict[tuple[EngineTarget, EngineTarget], float] | None = None) -> tuple[Knobs | None, str]:
+    window = summary(**at(held, num_waiting_seqs=queue))
     d = decide({"pod-0": window}, config(held), spec, limits, now=10_000.0, last_change=None, measured=known,
                pauses=pauses)
-    return (None if d.target is None else EngineTarget(d.target.block_size, d.target.preemption_mode)), d.reason
+    return (None if d.target is None else Knobs.of(d.target)), d.reason
 
 
 # --- the memory ---
@@ -113,7 +126,39 @@ def test_only_estimates_with_enough_saturated_time_are_measured() -> None:
     assert set(o.measured(30.0)) == {B16_REC}
 
 
+def test_capacities_at_other_batch_limits_are_kept_apart() -> None:
+    o, busy = Outcomes(), {"duration_s": 30.0, "num_waiting_seqs": 80.0, "generation_tokens_per_s": 0.0}
+    wide = dataclasses.replace(B16_REC, max_num_seqs=512)
+    assert o.observe({"pod-0": summary(**at(B16_REC, prompt_tokens_per_s=1000.0, **busy))}, T) == B16_REC
+    assert o.observe({"pod-0": summary(**at(wide, prompt_tokens_per_s=1500.0, **busy))}, T) == wide
+    rates = {k: e.tokens_per_s for k, e in o.measured(30.0).items()}
+    assert rates == {B16_REC: 1000.0, wide: 1500.0}
+    rows = o.to_status()["outcomes"]
+    assert [(r["maxNumSeqs"], r["tokensPerSecond"]) for r in rows] == [(256, 1000.0), (512, 1500.0)]
+    # and pods on two batch limits at once measure neither
+    mixed = {"a": summary("a", **at(B16_REC, **busy)), "b": summary("b", **at(wide, **busy))}
+    assert o.observe(mixed, T) is None
+
+
+def test_status_keeps_the_configurations_with_the_most_saturated_time() -> None:
+    o = Outcomes()
+    for i in range(MAX_OUTCOMES + 6):
+        o.observe({"pod-0": summary(**at(Knobs(16, "recompute", 2048, 1 + i), duration_s=10.0 + i,
+                                         num_waiting_seqs=80.0))}, T)
+    rows = o.to_status()["outcomes"]
+    assert len(rows) == MAX_OUTCOMES and min(r["seconds"] for r in rows) == 16.0
+
+
 # --- the policy with measurements ---
+
+def test_the_policy_weighs_only_capacities_measured_at_the_batch_limits_in_force() -> None:
+    """8/swap measured worse at twice the batch says nothing of it at the batch in force: untried."""
+    elsewhere = {dataclasses.replace(k, max_num_seqs=512): e for k, e in measured(b8_swap=700.0).items()}
+    target, reason = decide_on(B16_REC, 300.0, {**measured(b16_rec=1000.0), **elsewhere})
+    assert target == B8_SWAP and "unmeasured, tried" in reason
+    # the same figure at the limits in force sends the service to a mix of the two instead
+    assert decide_on(B16_REC, 300.0, measured(b16_rec=1000.0, b8_swap=700.0))[0] == B16_SWAP
+
 
 def test_an_unmeasured_pressure_target_is_tried_as_the_article_says() -> None:
     target, reason = decide_on(B16_REC, 300.0, measured(b16_rec=1000.0))
@@ -185,19 +230,19 @@ DWELL_10 = dataclasses.replace(SPEC, min_dwell_s=10.0)
 def test_a_switch_whose_pause_costs_more_than_its_gain_over_the_dwell_is_not_made() -> None:
     known = measured(b16_rec=1000.0, b8_swap=1100.0)  # +100 tok/s: 1,000 tokens over a 10 s dwell
     assert decide_on(B16_REC, 300.0, known, spec=DWELL_10)[0] == B8_SWAP  # no pause seen yet: free
-    target, reason = decide_on(B16_REC, 300.0, known, spec=DWELL_10, pauses={(B16_REC, B8_SWAP): 2.0})
+    target, reason = decide_on(B16_REC, 300.0, known, spec=DWELL_10, pauses=pause(B16_REC, B8_SWAP, 2.0))
     assert target is None
     assert ("switch cost: 8/swap's expected gain 1000 tokens over the 10 s dwell (+100 tok/s) < the 2000 tokens "
             "its 2000 ms pause loses at 1000 tok/s: 16/recompute stays") in reason
     # a longer dwell earns the same pause back
-    target, reason = decide_on(B16_REC, 300.0, known, spec=SPEC, pauses={(B16_REC, B8_SWAP): 2.0})
+    target, reason = decide_on(B16_REC, 300.0, known, spec=SPEC, pauses=pause(B16_REC, B8_SWAP, 2.0))
     assert target == B8_SWAP and "expected gain 6000 tokens over the 60 s dwell (+100 tok/s) >= the 2000 tokens" \
         in reason
 
 
 def test_a_short_pause_lets_the_switch_through_with_both_figures_in_the_reason() -> None:
     known = measured(b16_rec=1000.0, b8_swap=1100.0)
-    target, reason = decide_on(B16_REC, 300.0, known, spec=DWELL_10, pauses={(B16_REC, B8_SWAP): 0.5})
+    target, reason = decide_on(B16_REC, 300.0, known, spec=DWELL_10, pauses=pause(B16_REC, B8_SWAP, 0.5))
     assert target == B8_SWAP
     assert "switch cost: 8/swap's expected gain 1000 tokens over the 10 s dwell (+100 tok/s) >= the 500 tokens " \
         "its 500 ms pause loses at 1000 tok/s" in reason
@@ -206,18 +251,18 @@ def test_a_short_pause_lets_the_switch_through_with_both_figures_in_the_reason()
 def test_the_switch_cost_is_weighed_per_direction_and_only_between_measured_configurations() -> None:
     known = measured(b16_rec=1000.0, b8_swap=1100.0)
     # the pause of the way back says nothing about this way
-    target, reason = decide_on(B16_REC, 300.0, known, spec=DWELL_10, pauses={(B8_SWAP, B16_REC): 60.0})
+    target, reason = decide_on(B16_REC, 300.0, known, spec=DWELL_10, pauses=pause(B8_SWAP, B16_REC, 60.0))
     assert target == B8_SWAP and "switch cost" not in reason
     # an unmeasured target is a trial: no gain to weigh, the pause does not stop it
     target, reason = decide_on(B16_REC, 300.0, measured(b16_rec=1000.0), spec=DWELL_10,
-                               pauses={(B16_REC, B8_SWAP): 60.0})
+                               pauses=pause(B16_REC, B8_SWAP, 60.0))
     assert target == B8_SWAP and "switch cost" not in reason
 
 
 def test_calm_does_not_pay_a_pause_to_return_to_a_target_that_measured_no_better() -> None:
     known = measured(b16_rec=1000.0, b8_swap=1030.0)  # within the tolerance: calm would go back
     assert decide_on(B8_SWAP, 0.0, known, spec=DWELL_10)[0] == B16_REC
-    target, reason = decide_on(B8_SWAP, 0.0, known, spec=DWELL_10, pauses={(B8_SWAP, B16_REC): 0.01})
+    target, reason = decide_on(B8_SWAP, 0.0, known, spec=DWELL_10, pauses=pause(B8_SWAP, B16_REC, 0.01))
     assert target is None and "16/recompute's expected gain -300 tokens" in reason and "8/swap stays" in reason
 
 
@@ -230,12 +275,12 @@ def test_outcomes_and_pauses_go_through_status_and_back_unchanged() -> None:
                                     prompt_tokens_per_s=rate, generation_tokens_per_s=0.0)}, T)
     o.observe({"pod-0": summary(duration_s=30.0, num_waiting_seqs=80.0, prompt_tokens_per_s=900.0,
                                 generation_tokens_per_s=100.0)}, T)
-    o.record_pause(B16_REC, B8_SWAP, 0.020)
-    o.record_pause(B16_REC, B8_SWAP, 0.040)
-    o.record_pause(B8_SWAP, B16_REC, 1.5)
+    o.record_pause(B16_REC.engine, B8_SWAP.engine, 0.020)
+    o.record_pause(B16_REC.engine, B8_SWAP.engine, 0.040)
+    o.record_pause(B8_SWAP.engine, B16_REC.engine, 1.5)
     status = json.loads(json.dumps({"config": {"blockSize": 8}, **o.to_status()}))  # as the API stores it
-    assert [(r["blockSize"], r["preemptionMode"], r["windows"]) for r in status["outcomes"]] == \
-        [(8, "swap", 3), (16, "recompute", 1)]
+    assert [(r["blockSize"], r["preemptionMode"], r["maxNumSeqs"], r["maxNumBatchedTokens"], r["windows"])
+            for r in status["outcomes"]] == [(8, "swap", 256, 2048, 3), (16, "recompute", 256, 2048, 1)]
     assert status["switchPauses"][1] == {"from": {"blockSize": 16, "preemptionMode": "recompute"},
                                          "to": {"blockSize": 8, "preemptionMode": "swap"},
                                          "pauseMs": 30.0, "switches": 2}
@@ -248,16 +293,20 @@ def test_outcomes_and_pauses_go_through_status_and_back_unchanged() -> None:
         assert after.stderr == pytest.approx(before.stderr, rel=1e-3)  # inf for the single window
     assert back.pauses() == pytest.approx(o.pauses())
     assert back.to_status() == o.to_status()
-    back.record_pause(B16_REC, B8_SWAP, 0.090)  # a restored mean goes on as if never written
-    assert back.pauses()[(B16_REC, B8_SWAP)] == pytest.approx(0.050)
+    back.record_pause(B16_REC.engine, B8_SWAP.engine, 0.090)  # a restored mean goes on as if never written
+    assert back.pauses()[(B16_REC.engine, B8_SWAP.engine)] == pytest.approx(0.050)
 
 
 def test_an_unreadable_entry_in_status_is_dropped_not_fatal() -> None:
-    status = {"outcomes": [{"blockSize": 8, "preemptionMode": "swap", "tokensPerSecond": 500.0, "spread": 0.0,
-                            "seconds": 30.0, "windows": 3},
-                           {"blockSize": 12, "preemptionMode": "swap", "tokensPerSecond": 1.0, "spread": 0.0,
-                            "seconds": 30.0, "windows": 3},
-                           {"blockSize": 16, "preemptionMode": "recompute"}],
+    limits = {"maxNumSeqs": 256, "maxNumBatchedTokens": 2048}
+    status = {"outcomes": [{"blockSize": 8, "preemptionMode": "swap", **limits, "tokensPerSecond": 500.0,
+                            "spread": 0.0, "seconds": 30.0, "windows": 3},
+                           {"blockSize": 12, "preemptionMode": "swap", **limits, "tokensPerSecond": 1.0,
+                            "spread": 0.0, "seconds": 30.0, "windows": 3},
+                           {"blockSize": 16, "preemptionMode": "recompute", **limits},
+                           # written before the batch limits were kept: it may merge several
+                           {"blockSize": 16, "preemptionMode": "swap", "tokensPerSecond": 900.0, "spread": 0.0,
+                            "seconds": 30.0, "windows": 3}],
               "switchPauses": [{"from": {"blockSize": 8}, "to": {"blockSize": 16, "preemptionMode": "swap"},
                                 "pauseMs": 1.0, "switches": 1}]}
     back = Outcomes.from_status(status)
@@ -269,7 +318,7 @@ def _measured_memory(basis: dict[str, str] | None) -> Outcomes:
     o = Outcomes(basis)
     o.observe({"pod-0": summary(duration_s=30.0, num_waiting_seqs=80.0, prompt_tokens_per_s=900.0,
                                 generation_tokens_per_s=100.0)}, T)
-    o.record_pause(B16_REC, B8_SWAP, 0.020)
+    o.record_pause(B16_REC.engine, B8_SWAP.engine, 0.020)
     return o
 
 

@@ -94,7 +94,8 @@ def test_pods_not_on_the_config_in_force_are_left_out_and_named() -> None:
     d = run(summary("a", num_waiting_seqs=300.0), pressured(pod="b", num_waiting_seqs=0.0),
             summary("c", num_waiting_seqs=300.0, settings_changed=True))
     assert d.target == PRESSURE and d.signals is not None and d.signals.num_pods == 1
-    assert "pod b reports block_size 8, swap, not the config in force" in d.reason
+    assert "pod b reports block_size 8 (not 16), preemption_mode swap (not recompute): not the config in force" \
+        in d.reason
     assert "pod c changed settings within its window" in d.reason
     alone = run(pressured(pod="b", num_waiting_seqs=300.0))
     assert alone.target is None and alone.reason.startswith("not enough data: pod b reports")
@@ -151,8 +152,8 @@ def test_max_num_seqs_doubles_when_it_binds_instead_of_memory() -> None:
     assert d.changes == {"max_num_seqs": 512}  # smaller blocks would not admit one more sequence
     assert "max_num_seqs binds (running 250.0 of 256, KV usage 0.10 < 0.3" in d.reason
     assert run(bound).target == PRESSURE  # no range given: the article's rule
-    at_max = run(dataclasses.replace(bound, num_running_seqs=510.0), spec=spec,
-                 current=dataclasses.replace(CALM, max_num_seqs=512))
+    at_max = run(summary(num_waiting_seqs=150.0, kv_cache_usage=0.1, num_running_seqs=510.0, max_num_seqs=512),
+                 spec=spec, current=dataclasses.replace(CALM, max_num_seqs=512))
     assert at_max.target is None and "max_num_seqs stays 512, at its bound" in at_max.reason
 
 

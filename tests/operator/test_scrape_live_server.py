@@ -173,13 +173,17 @@ async def test_the_admin_client_applies_a_change_the_metrics_then_show(
         assert result.relayout_pause_s is not None and 0 <= result.relayout_pause_s <= result.duration_s
         assert await admin.get_config(pod) == result.config
         report = await scraper.scrape([pod])
-        assert report.samples["serve-0"].settings.block_size == 8
+        assert report.samples["serve-0"].settings.config == result.config  # every tunable, as the pod runs it
         assert live_block_size("applied", "serve-0") == 8
         again = await admin.apply(pod, {"block_size": 8, "preemption_mode": "swap"})
         assert again.applied == {} and again.config == result.config  # a repeated POST changes nothing
         assert again.relayout_pause_s is None  # and re-lays nothing
+        limits = await admin.apply(pod, {"max_num_seqs": 2, "max_num_batched_tokens": 512})
+        report = await scraper.scrape([pod])
+        assert report.samples["serve-0"].settings.config == limits.config == \
+            LiveConfig(8, "swap", 2, 512, "fcfs")  # a batch limit alone shows too
     finally:
-        await admin.apply(pod, {"block_size": before.block_size, "preemption_mode": before.preemption_mode})
+        await admin.apply(pod, before.to_json())
 
 
 async def test_a_refused_change_fails_at_once_with_the_engine_s_message(pod: PodEndpoint) -> None:

@@ -8,7 +8,14 @@ import math
 import pytest
 from autotune_fixtures import PodMetrics
 
-from kvpilot.operator.autotune import Histogram, MetricsError, MetricWindow, parse_metrics
+from kvpilot.operator.autotune import (
+    Histogram,
+    Knobs,
+    LiveConfig,
+    MetricsError,
+    MetricWindow,
+    parse_metrics,
+)
 
 
 def window_of(*pages: tuple[float, str], span_s: float = 600) -> MetricWindow:
@@ -19,11 +26,12 @@ def window_of(*pages: tuple[float, str], span_s: float = 600) -> MetricWindow:
 
 
 def test_a_page_parses_into_settings_levels_counters_and_histograms() -> None:
-    pod = PodMetrics(block_size=32, mode="swap", num_gpu_blocks=512)
+    pod = PodMetrics(block_size=32, mode="swap", num_gpu_blocks=512, max_num_seqs=64, max_num_batched_tokens=4096)
     pod.set(waiting=7, running=3, swapped=1, kv=0.25)
     pod.serve(2, prompt_tokens=40, output_tokens=5)
     sample = parse_metrics(pod.text(), 10.0)
-    assert (sample.settings.block_size, sample.settings.preemption_mode, sample.settings.num_gpu_blocks) == (32, "swap", 512)
+    assert sample.settings.config == LiveConfig(32, "swap", 64, 4096, "fcfs") and sample.settings.num_gpu_blocks == 512
+    assert sample.settings.knobs == Knobs(32, "swap", 64, 4096)
     assert sample.gauges == {"kv_cache_usage": 0.25, "num_waiting_seqs": 7, "num_running_seqs": 3, "num_swapped_seqs": 1,
                              "num_requests_waiting": 7, "num_requests_running": 3}
     (tokens,) = sample.counters["prompt_tokens"].values()
@@ -49,6 +57,11 @@ def test_a_page_without_one_config_in_force_is_refused() -> None:
     text = pod.text().replace('num_gpu_blocks="1000"', 'num_gpu_blocks="lots"')
     with pytest.raises(MetricsError, match="vllm:cache_config_info"):
         parse_metrics(text, 0.0)
+    for broken in (pod.text().replace('max_num_seqs="256"', 'max_num_seqs="0"'),  # outside the contract's bounds
+                   pod.text().replace('max_num_batched_tokens="2048",', ""),
+                   "\n".join(line for line in pod.text().splitlines() if "kvpilot_live_config_info" not in line)):
+        with pytest.raises(MetricsError, match="kvpilot_live_config_info"):
+            parse_metrics(broken, 0.0)
 
 
 def test_rates_are_counter_increases_over_the_span() -> None:
@@ -166,12 +179,15 @@ def test_mean_context_is_kv_tokens_per_running_sequence() -> None:
 def test_a_settings_change_within_the_span_is_flagged_but_not_one_before_it() -> None:
     pod = PodMetrics()
     old = pod.text()
-    pod.configure(8, "swap", 2000)
+    pod.configure(LiveConfig(8, "swap", 256, 2048), 2000)
     new = pod.text()
     s = window_of((0.0, old), (10.0, new), (20.0, new)).summarize()
     assert s is not None and not s.settings_changed and s.settings.block_size == 8
     mixed = window_of((0.0, old), (10.0, old), (20.0, new)).summarize()
     assert mixed is not None and mixed.settings_changed
+    pod.configure(LiveConfig(8, "swap", 512, 2048), 2000)  # a batch limit alone is a change too
+    limits = window_of((0.0, new), (10.0, new), (20.0, pod.text())).summarize()
+    assert limits is not None and limits.settings_changed and limits.settings.knobs.max_num_seqs == 512
 
 
 def test_histogram_quantile_and_count_interpolate_within_buckets() -> None:

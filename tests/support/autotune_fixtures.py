@@ -19,8 +19,9 @@ from prometheus_client import (
 )
 from prometheus_client import metrics as prometheus_metrics
 
-from kvpilot.operator.autotune import EngineSettings, WindowSummary
+from kvpilot.operator.autotune import EngineSettings, LiveConfig, WindowSummary
 from kvpilot.operator.autotune import Histogram as Hist
+from kvpilot.runtime.tunables import TUNABLES
 
 # runtime/server/metrics.py
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -35,7 +36,7 @@ class PodMetrics:
     restarted pod: counters from zero, new `_created` times."""
 
     def __init__(self, model: str = "m", block_size: int = 16, mode: str = "recompute",
-                 num_gpu_blocks: int = 1000) -> None:
+                 num_gpu_blocks: int = 1000, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048) -> None:
         r, m = CollectorRegistry(), ["model_name"]
         self.registry, self.model = r, model
         self.gauges = {name: Gauge(name, name, m, registry=r).labels(model) for name in (
@@ -53,14 +54,19 @@ class PodMetrics:
                                    registry=r).labels(model)
         self._info = Gauge("vllm:cache_config_info", "", m + ["block_size", "num_gpu_blocks", "preemption_mode",
                                                               "enable_prefix_caching"], registry=r)
-        self._info_labels: tuple[str, ...] | None = None
-        self.configure(block_size, mode, num_gpu_blocks)
+        self._live = Gauge("kvpilot_live_config_info", "", m + [t.name for t in TUNABLES], registry=r)
+        self._info_labels: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        self.configure(LiveConfig(block_size, mode, max_num_seqs, max_num_batched_tokens), num_gpu_blocks)
 
-    def configure(self, block_size: int, mode: str, num_gpu_blocks: int) -> None:
+    def configure(self, config: LiveConfig, num_gpu_blocks: int) -> None:
+        """The engine's config changed (a live change, or a re-cut of `num_gpu_blocks` blocks)."""
         if self._info_labels is not None:
-            self._info.remove(*self._info_labels)
-        self._info_labels = (self.model, str(block_size), str(num_gpu_blocks), mode, "false")
-        self._info.labels(*self._info_labels).set(1)
+            self._info.remove(*self._info_labels[0])
+            self._live.remove(*self._info_labels[1])
+        self._info_labels = ((self.model, str(config.block_size), str(num_gpu_blocks), config.preemption_mode, "false"),
+                             (self.model, *(str(getattr(config, t.name)) for t in TUNABLES)))
+        self._info.labels(*self._info_labels[0]).set(1)
+        self._live.labels(*self._info_labels[1]).set(1)
 
     def set(self, waiting: float = 0, running: float = 0, swapped: float = 0, kv: float = 0.0) -> None:
         # one sequence a request: requests and sequences count alike
@@ -100,12 +106,14 @@ def histogram(observations: Iterable[float], bounds: Iterable[float] = LATENCY_B
 
 
 def summary(pod: str = "pod-0", duration_s: float = 60.0, block_size: int = 16, mode: str = "recompute",
-            requests: int = 200, ttft: float = 0.05, itl: float = 0.02, **fields: Any) -> WindowSummary:
+            requests: int = 200, ttft: float = 0.05, itl: float = 0.02, max_num_seqs: int = 256,
+            max_num_batched_tokens: int = 2048, **fields: Any) -> WindowSummary:
     """A pod's window over `duration_s` ending at t=1000 with `requests` finished requests of the
-    given latencies; every other field from `fields` or a calm default."""
+    given latencies, run on the given knobs; every other field from `fields` or a calm default."""
     base = WindowSummary(
         pod=pod, start=1000.0 - duration_s, end=1000.0, num_samples=int(duration_s // 10) or 1,
-        settings=EngineSettings(block_size, mode, 1000), settings_changed=False, num_restarts=0,
+        settings=EngineSettings(LiveConfig(block_size, mode, max_num_seqs, max_num_batched_tokens), 1000),
+        settings_changed=False, num_restarts=0,
         kv_cache_usage=0.2, num_waiting_seqs=0.0, num_running_seqs=4.0, num_swapped_seqs=0.0,
         num_requests_waiting=fields.get("num_waiting_seqs", 0.0), arrivals_per_s=requests / duration_s,
         mean_context_tokens=300.0, preemptions_per_s=0.0, swap_bytes_per_s=0.0,

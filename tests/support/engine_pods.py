@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp.web
 from autotune_fixtures import PodMetrics
 
+from kvpilot.operator.autotune import LiveConfig
+
 RELAYOUT_PAUSE_MS = 12.5  # what a stand-in reports a block-size change paused it for
 
 
@@ -59,7 +61,7 @@ class EnginePod:
             return aiohttp.web.json_response({"error": {"message": self.refuse}}, status=400)
         applied = {k: {"old": self.config[k], "new": v} for k, v in changes.items() if self.config[k] != v}
         self.config.update(changes)
-        self.metrics.configure(self.config["block_size"], self.config["preemption_mode"], 1000)
+        self.metrics.configure(LiveConfig.from_json(self.config), 1000)
         relayout = {"pause_ms": RELAYOUT_PAUSE_MS} if "block_size" in applied else None
         return aiohttp.web.json_response({"applied": applied, "duration_s": 0.001, "config": self.config,
                                           "relayout": relayout})
