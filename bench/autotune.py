@@ -46,6 +46,7 @@ from kvpilot.runtime.tunables import (
     BLOCK_SIZES,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
+    PREEMPTION_MODE,
     PREEMPTION_MODES,
 )
 
@@ -113,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV budget of every server in tokens (default: 65536; 1024 with --quick)")
     g.add_argument("--block-sizes", type=flags.tunable(BLOCK_SIZE), nargs="+", default=None, choices=BLOCK_SIZES,
                    help="the grid's block sizes, also the tuner's allowed ones (default: 8 16 32; 8 16 with --quick)")
-    g.add_argument("--preemption-modes", nargs="+", default=["recompute", "swap"], choices=PREEMPTION_MODES)
+    g.add_argument("--preemption-modes", nargs="+", default=list(PREEMPTION_MODES), choices=PREEMPTION_MODES)
     g.add_argument("--max-num-seqs", type=flags.tunable(MAX_NUM_SEQS), nargs="+", default=None, metavar="N",
                    help="the grid's max_num_seqs values, whose range the tuner may move it in (default: the "
                         "server's own, not tuned)")
@@ -266,9 +267,11 @@ def _static_configs(given: list[str] | None, block_sizes: list[int], modes: list
 
 
 def _baseline(statics: list[Knobs]) -> str | None:
-    """The unswitched default the verdicts compare with: block 16, recompute, the largest batch
-    limits of the grid (the engine's own defaults are its largest), if the grid ran it."""
-    default = [k for k in statics if (k.block_size, k.preemption_mode) == (16, "recompute")]
+    """The unswitched default the verdicts compare with: the contract's default block size and
+    preemption mode, the largest batch limits of the grid (the engine's own defaults are its
+    largest), if the grid ran it."""
+    defaults = (BLOCK_SIZE.default, PREEMPTION_MODE.default)
+    default = [k for k in statics if (k.block_size, k.preemption_mode) == defaults]
     if not default:
         return None
     return f"static {max(default, key=lambda k: (k.max_num_seqs or 0, k.max_num_batched_tokens or 0)).name}"

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvpilot.bench.percentile import percentile
 from kvpilot.runtime import LLM, SamplingParams
+from kvpilot.runtime.tunables import BLOCK_SIZES, PREEMPTION_MODES
 
 
 def run(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], switches: list[tuple[float, int]]) -> dict[str, Any]:
@@ -109,14 +110,14 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=16.0, help="arrivals per second")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES)
     p.add_argument("--switch-at", type=float, nargs="+", default=[5.0, 10.0, 15.0],
-                   help="seconds into the run (the default run lasted 20.3-20.5 s on an H200)")
-    p.add_argument("--switch-to", type=int, nargs="+", default=[8, 32, 16], help="a block size per --switch-at")
+                   help="seconds into the run, each before the run ends")
+    p.add_argument("--switch-to", type=int, nargs="+", default=[8, 32, 16], choices=BLOCK_SIZES, help="a block size per --switch-at")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-gpu-blocks", type=int, help="cache budget in blocks of --block-size (default: the full cache)")
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
     p.add_argument("--control", action="store_true",
                    help="run the unswitched baseline twice too: how many greedy outputs differ between two "
                         "runs of one configuration (bf16 results depend on the batch each token ran in)")

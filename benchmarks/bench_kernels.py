@@ -37,6 +37,8 @@ import torch
 import triton
 from torch.nn import functional as F
 
+from kvpilot.runtime.tunables import BLOCK_SIZES
+
 RESULTS = Path(__file__).parent / "RESULTS.md"
 SECTION = "## Kernels"
 
@@ -140,7 +142,7 @@ class Bench:
         from kvpilot.kernels.paged_attention import paged_attention
 
         worst = 0.0
-        for block_size in (8, 16, 32, 64):
+        for block_size in BLOCK_SIZES:
             lens = torch.randint(1, 4000, (32,)).tolist()
             for specs in ([(n, 1) for n in lens], [(n, 1) for n in lens[:8]] + [(1024, 1024), (4608, 512)]):
                 batch = self.paged_batch(specs, 32, 8, 128, block_size)
@@ -314,7 +316,7 @@ class Bench:
         batch = self.paged_batch([(ctx, 1)] * b, heads, kv_heads, d, 16)
         variants: list[tuple[int | None, DecodeConfig]] = [(None, DecodeConfig())]
         if self.sweep:
-            variants += [(s, c) for s in (8, 16, 32, 64) for c in [DecodeConfig(), *self._top_decode]]
+            variants += [(s, c) for s in BLOCK_SIZES for c in [DecodeConfig(), *self._top_decode]]
         for splits, cfg in variants:
             ms = self.time_ms(partial(paged_attention_with, *batch, d ** -0.5, max_query_len=1,
                                       num_splits=splits, decode=cfg))

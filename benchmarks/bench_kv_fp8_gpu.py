@@ -47,6 +47,7 @@ from kvpilot.kernels.cache import write_kv_cache  # noqa: E402
 from kvpilot.kernels.kv_quant import FP8, dequantize, quantize  # noqa: E402
 from kvpilot.kernels.paged_attention import paged_attention_with  # noqa: E402
 from kvpilot.kernels.rotary import rotary_and_write_kv  # noqa: E402
+from kvpilot.runtime.tunables import BLOCK_SIZES  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SCALE = HEAD_DIM ** -0.5
@@ -265,7 +266,7 @@ def main() -> None:
     print(json.dumps(head), flush=True)
     torch.manual_seed(0)
     checks: list[dict[str, Any]] = []
-    for block_size in (8, 16, 32, 64):
+    for block_size in BLOCK_SIZES:
         check_writes(block_size, checks)
         check_attention(block_size, checks)
     rate = engine_bench.copy_rate()

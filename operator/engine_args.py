@@ -6,6 +6,8 @@ Secrets never reach argv: the admin token and the API key come in through the en
 
 from __future__ import annotations
 
+from kvpilot.runtime.tunables import TUNABLES
+
 from .model_source import ModelSource
 from .spec import InferenceServiceSpec
 
@@ -35,20 +37,19 @@ def serve_args(spec: InferenceServiceSpec, source: ModelSource, served_model_nam
         args += ["--quantization", model.quantization]
     args += [
         "--tensor-parallel-size", str(spec.tensor_parallel_size),
-        "--block-size", str(engine.block_size),
         "--swap-space", _num(engine.swap_space),
         "--gpu-memory-utilization", _num(engine.gpu_memory_utilization),
         "--kv-cache-dtype", engine.kv_cache_dtype,
-        "--max-num-seqs", str(engine.max_num_seqs),
-        "--preemption-mode", engine.preemption_mode,
-        "--scheduler-policy", engine.scheduler_policy,
         "--priority-aging", _num(engine.priority_aging),
         "--fair-prompt-weight", _num(engine.fair_prompt_weight),
         "--fair-output-weight", _num(engine.fair_output_weight),
     ]
+    for tunable in TUNABLES:  # spec.engine's fields carry the contract's names; unset: the runtime's default
+        value = getattr(engine, tunable.name)
+        if value is not None:
+            args += [tunable.flag, str(value)]
     optional: list[tuple[str, int | float | None]] = [
         ("--num-gpu-blocks-override", engine.num_gpu_blocks_override),
-        ("--max-num-batched-tokens", engine.max_num_batched_tokens),
         ("--max-model-len", engine.max_model_len),
         ("--max-queue-len", engine.max_queue_len),
         ("--metric-interval", engine.metric_interval),

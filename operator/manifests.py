@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.runtime.tunables import TUNABLES
+
 from .engine_args import SERVE_PORT, serve_args
 from .model_source import ModelSource
 from .objects import Manifest
@@ -347,13 +349,11 @@ def engine_config(owner: Owner, spec: InferenceServiceSpec, source: ModelSource)
     config: Manifest = {
         "model": source.model_arg or "embedded",
         "servedModelName": spec.model.served_model_name or owner.name,
-        "blockSize": engine.block_size,
-        "preemptionMode": engine.preemption_mode,
-        "schedulerPolicy": engine.scheduler_policy,
-        "maxNumSeqs": engine.max_num_seqs,
         "gpuMemoryUtilization": engine.gpu_memory_utilization,
         "tensorParallelSize": spec.tensor_parallel_size,
     }
-    if engine.max_num_batched_tokens is not None:
-        config["maxNumBatchedTokens"] = engine.max_num_batched_tokens
+    for tunable in TUNABLES:  # each live tunable the spec sets (an unset one: the runtime's default)
+        value = getattr(engine, tunable.name)
+        if value is not None:
+            config[tunable.camel] = value
     return config

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+from kvpilot.runtime.tunables import BLOCK_SIZE, PREEMPTION_MODE
+
 from .autoscale.scaling_spec import (
     DEFAULT_LOOKBACK_S,
     SCALE_DOWN,
@@ -122,8 +124,8 @@ def _forecasting(spec: AutoscalingSpec) -> Forecasting | None:
 
 
 # engine flags that do not change what a configuration gets through per second at capacity: the
-# knobs tuning sets, and logging, metrics, the seed and the queue's bound
-_NOT_BASIS = ("blockSize", "preemptionMode", "disableLogStats", "metricInterval", "maxQueueLen", "seed")
+# knobs an outcome is measured for (an `EngineTarget`'s), and logging, metrics, the seed and the queue's bound
+_NOT_BASIS = (BLOCK_SIZE.camel, PREEMPTION_MODE.camel, "disableLogStats", "metricInterval", "maxQueueLen", "seed")
 
 
 def measurement_basis(spec: InferenceServiceSpec, image: str) -> tuple[tuple[str, str], ...]:

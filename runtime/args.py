@@ -32,13 +32,10 @@ from kvpilot.runtime.config import (
 )
 from kvpilot.runtime.tunables import (
     BLOCK_SIZE,
-    BLOCK_SIZES,
-    MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
     PREEMPTION_MODE,
-    PREEMPTION_MODES,
-    SCHEDULER_POLICIES,
     SCHEDULER_POLICY,
+    TUNABLES,
     check_changes,
 )
 
@@ -124,7 +121,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
-            policy=self.scheduler_policy,
+            scheduler_policy=self.scheduler_policy,
             priority_aging_s=self.priority_aging,
             fair_prompt_weight=self.fair_prompt_weight,
             fair_output_weight=self.fair_output_weight,
@@ -205,7 +202,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=positive_int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
     g = parser.add_argument_group("KV cache")
-    g.add_argument("--block-size", type=tunable(BLOCK_SIZE), choices=BLOCK_SIZES, default=d.block_size)
     g.add_argument("--swap-space", type=non_negative_float, default=d.swap_space, help="GiB of host memory for swapped KV blocks")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=d.gpu_memory_utilization)
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None)
@@ -222,18 +218,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="reuse the KV blocks of prompt prefixes already computed (full blocks, matched by "
                         "chained SHA-256 digests of their tokens)")
     g = parser.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", type=tunable(MAX_NUM_SEQS), default=d.max_num_seqs, help="live-tunable")
-    g.add_argument("--max-num-batched-tokens", type=tunable(MAX_NUM_BATCHED_TOKENS), default=None,
-                   help="default: 2048, or max_model_len without chunked prefill; live-tunable")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill)
-    g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=d.preemption_mode,
-                   help="recompute: drop a preempted sequence's KV and prefill it again; swap: copy it to "
-                        "the --swap-space host memory and back (recompute when that is full); live-tunable")
-    g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default=d.scheduler_policy,
-                   help="fcfs: arrival order; priority: the request's `priority` (lower first) with aging "
-                        "(--priority-aging), preemption takes the least important; fair: per-tenant fair share "
-                        "of served tokens (Virtual Token Counter; the tenant is the API key's from --api-key-file, "
-                        "else the request's `user`); live-tunable")
     g.add_argument("--priority-aging", type=positive_float, default=d.priority_aging, metavar="SECONDS",
                    help="priority policy: a waiting request gains one priority level per SECONDS waited, so a "
                         "request is never overtaken by one of priority q arriving more than "
@@ -247,6 +232,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="schedule and prepare each step while the device still runs the previous one "
                         "(default: on with CUDA without tensor parallelism, off on the CPU)")
+    g = parser.add_argument_group("live tunables", "POST /admin/config changes these while the server runs")
+    for t in TUNABLES:  # spelled, held to their rules and explained by the contract (tunables.py)
+        g.add_argument(t.flag, type=tunable(t), choices=t.choices, default=getattr(d, t.name), help=t.help)
     g = parser.add_argument_group("device")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

@@ -16,6 +16,7 @@ from kvpilot.runtime.tunables import (
     MAX_NUM_SEQS,
     PREEMPTION_MODE,
     SCHEDULER_POLICY,
+    LiveConfig,
 )
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -76,6 +77,12 @@ class CacheConfig:
                "applies only with kv_cache_dtype fp8 (the scales of an FP8 KV cache)")
 
 
+# The live tunables a `SchedulerConfig` holds, each a field of the contract's name: the scheduler
+# reads them every step, and `LLMEngine.update_config` replaces them between steps. (The block size,
+# the other live tunable, is the KV cache layout's: `CacheConfig` holds only the start's.)
+SCHEDULER_TUNABLES = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, PREEMPTION_MODE, SCHEDULER_POLICY)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = MAX_NUM_SEQS.default
@@ -83,7 +90,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     preemption_mode: str = PREEMPTION_MODE.default
-    policy: str = SCHEDULER_POLICY.default
+    scheduler_policy: str = SCHEDULER_POLICY.default
     max_queue_len: int | None = None
     priority_aging_s: float = 10.0  # priority: seconds of waiting worth one priority level (policies.py)
     fair_prompt_weight: float = 1.0  # fair: a prompt token's cost in a tenant's counter
@@ -93,10 +100,8 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        MAX_NUM_SEQS.check(self.max_num_seqs)
-        MAX_NUM_BATCHED_TOKENS.check(self.max_num_batched_tokens)
-        PREEMPTION_MODE.check(self.preemption_mode)
-        SCHEDULER_POLICY.check(self.policy)
+        for tunable in SCHEDULER_TUNABLES:
+            tunable.check(getattr(self, tunable.name))
         _check(self.max_queue_len is None or self.max_queue_len > 0, "max_queue_len", "must be positive")
         _check(self.priority_aging_s > 0, "priority_aging", f"must be a positive number of seconds, not {self.priority_aging_s}")
         _check(self.fair_prompt_weight > 0, "fair_prompt_weight", f"must be positive, not {self.fair_prompt_weight}")
@@ -130,6 +135,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(not (self.scheduler.async_scheduling and self.device.tensor_parallel_size > 1), "async_scheduling",
                "is not supported with tensor parallelism (the other ranks would need the sampled tokens)")
+
+    @property
+    def tunables(self) -> LiveConfig:
+        """The live tunables' values in this config."""
+        return LiveConfig(block_size=self.cache.block_size,
+                          **{t.name: getattr(self.scheduler, t.name) for t in SCHEDULER_TUNABLES})
 
     @property
     def async_scheduling(self) -> bool:

@@ -9,11 +9,20 @@ Plain Python only: the operator imports it without torch.
 | `block_size` | `--block-size` | `blockSize` | 8, 16, 32, 64 | 16 |
 | `preemption_mode` | `--preemption-mode` | `preemptionMode` | recompute, swap | recompute |
 | `max_num_seqs` | `--max-num-seqs` | `maxNumSeqs` | 1 to 65,536 | 256 |
-| `max_num_batched_tokens` | `--max-num-batched-tokens` | `maxNumBatchedTokens` | 1 to 1,048,576 | 2048 (at least max_model_len without chunked prefill) |
+| `max_num_batched_tokens` | `--max-num-batched-tokens` | `maxNumBatchedTokens` | 1 to 1,048,576 | none: 2048, or max_model_len without chunked prefill |
 | `scheduler_policy` | `--scheduler-policy` | `schedulerPolicy` | fcfs, fair, priority | fcfs |
 
-Adding a tunable: a `Tunable` here, its field in `LiveConfig` (a test checks the two agree), and
-its implementation in the engine (`LLMEngine.update_config`).
+From `TUNABLES` come the flags of `kvpilot serve` and `kvpilot generate` (spelling, rule, default,
+help), the names `check_changes` accepts, the labels of `kvpilot_live_config_info`, and the
+operator's flags for the pods and status.engine.
+Adding a tunable (each step fails a test in tests/runtime/test_tunables.py until done):
+1. here: its `Tunable` in `TUNABLES`, its `LiveConfig` field, its row in the table above;
+2. its holder in the runtime: a `SchedulerConfig` field of the same name listed in
+   `SCHEDULER_TUNABLES` (config.py), or an engine-specific path in `LLMEngine.update_config`;
+   its `EngineArgs` field (args.py), passed on to that config; its `EngineSnapshot` field
+   (engine/messages.py), which the metrics export per pod;
+3. the operator's spec: its `EngineSpec` field (operator/spec.py) and its CRD properties
+   (spec.engine, status.engine, status.tuning.config in crds/, copied to the chart's crds/).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ class Tunable:
     minimum: int | None = None  # the bounds of an integer
     maximum: int | None = None
     default: Any = None  # None: resolved at start (max_num_batched_tokens: from the context length)
+    help: str = ""  # the flag's (`kvpilot serve --help`)
 
     @property
     def flag(self) -> str:
@@ -59,13 +69,23 @@ class Tunable:
         return kind if self.minimum is None else f"{kind} >= {self.minimum}"
 
 
-BLOCK_SIZE = Tunable("block_size", "blockSize", int, choices=(8, 16, 32, 64), default=16)
+BLOCK_SIZE = Tunable("block_size", "blockSize", int, choices=(8, 16, 32, 64), default=16,
+                     help="token slots in one KV cache block; a change re-cuts the cache in place, keeping "
+                          "the KV of running and swapped sequences")
 PREEMPTION_MODE = Tunable("preemption_mode", "preemptionMode", str, choices=("recompute", "swap"),
-                          default="recompute")
+                          default="recompute",
+                          help="recompute: drop a preempted sequence's KV and prefill it again; swap: copy it to "
+                               "the --swap-space host memory and back (recompute when that is full)")
 SCHEDULER_POLICY = Tunable("scheduler_policy", "schedulerPolicy", str, choices=("fcfs", "fair", "priority"),
-                           default="fcfs")
-MAX_NUM_SEQS = Tunable("max_num_seqs", "maxNumSeqs", int, minimum=1, maximum=65536, default=256)
-MAX_NUM_BATCHED_TOKENS = Tunable("max_num_batched_tokens", "maxNumBatchedTokens", int, minimum=1, maximum=1 << 20)
+                           default="fcfs",
+                           help="fcfs: arrival order; priority: the request's `priority` (lower first) with aging "
+                                "(--priority-aging), preemption takes the least important; fair: per-tenant fair "
+                                "share of served tokens (Virtual Token Counter; the tenant is the API key's from "
+                                "--api-key-file, else the request's `user`)")
+MAX_NUM_SEQS = Tunable("max_num_seqs", "maxNumSeqs", int, minimum=1, maximum=65536, default=256,
+                       help="sequences in one step's batch")
+MAX_NUM_BATCHED_TOKENS = Tunable("max_num_batched_tokens", "maxNumBatchedTokens", int, minimum=1, maximum=1 << 20,
+                                 help="tokens in one step (default: 2048, or max_model_len without chunked prefill)")
 
 TUNABLES: tuple[Tunable, ...] = (BLOCK_SIZE, PREEMPTION_MODE, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS,
                                  SCHEDULER_POLICY)

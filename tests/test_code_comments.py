@@ -11,7 +11,7 @@ import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("runtime", "kernels", "operator", "bench")
+PACKAGES = ("runtime", "kernels", "operator", "bench", "benchmarks")
 FIGURE = re.compile(r"\d+\.\d+ ?(?:ms|µs|us)\b"  # 4.69 ms
                     r"|(?<!default )\d[\d,.]* ?(?:tok/s|tokens/s|GB/s|TB/s|GiB/s|TFLOP/s|TFLOPS|MHz|req/s)"
                     r"|\d[\d.]* ?[x×] (?:faster|slower)")

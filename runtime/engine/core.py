@@ -346,7 +346,7 @@ class EngineCore:
     def snapshot(self) -> EngineSnapshot:
         e = self.engine
         bm = e.block_manager
-        cache, sched = e.config.cache, e.config.scheduler
+        config = e.config
         return EngineSnapshot(
             num_requests=e.num_unfinished_requests,
             num_waiting_requests=e.num_waiting_requests,
@@ -356,14 +356,10 @@ class EngineCore:
             num_free_blocks=bm.num_free_blocks,
             num_blocks=bm.num_blocks,
             kv_cache_usage=bm.usage,
-            block_size=cache.block_size,
-            preemption_mode=sched.preemption_mode,
-            enable_prefix_caching=cache.enable_prefix_caching,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
             waiting_requests_by_tenant=dict(e.scheduler.backlog),
             warming_up=self._warming_up,
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            scheduler_policy=sched.policy,
+            **config.tunables.to_json(),  # every live tunable, by its name
         )
 
 

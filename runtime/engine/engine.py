@@ -58,15 +58,9 @@ from kvpilot.runtime.sched.sequence import (
 )
 from kvpilot.runtime.startup import StartupLog
 from kvpilot.runtime.tokenizer import Tokenizer, check_prompt, encode_prompt, eos_token_ids
-from kvpilot.runtime.tunables import LiveConfig, check_changes
+from kvpilot.runtime.tunables import check_changes
 
 logger = logging.getLogger(__name__)
-
-
-# How `update_config` applies each live tunable (kvpilot.runtime.tunables names and checks them):
-# the block size re-cuts the KV cache (block_switch.py); these become the scheduler's config field
-SCHEDULER_FIELDS = {"preemption_mode": "preemption_mode", "scheduler_policy": "policy",
-                    "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens"}
 
 
 @dataclass
@@ -276,10 +270,7 @@ class LLMEngine:
         return view
 
     def live_config(self) -> dict[str, object]:
-        s = self.scheduler.config
-        return LiveConfig(block_size=self.runner.block_size, preemption_mode=s.preemption_mode,
-                          max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                          scheduler_policy=s.policy).to_json()
+        return self.config.tunables.to_json()
 
     @_fails_with_workers
     def update_config(self, changes: dict[str, object]) -> dict[str, object]:
@@ -295,8 +286,9 @@ class LLMEngine:
         wanted = {k: v for k, v in check_changes(changes).items() if before[k] != v}
         if not wanted:
             return {}
+        # the block size re-cuts the KV cache (block_switch.py); the others are the scheduler config's
         scheduler = dataclasses.replace(self.scheduler.config, **{  # type: ignore[arg-type]
-            SCHEDULER_FIELDS[k]: v for k, v in wanted.items() if k in SCHEDULER_FIELDS})
+            k: v for k, v in wanted.items() if k != "block_size"})
         limit = self.runner.profiled_step_tokens
         if limit is not None and scheduler.max_num_batched_tokens > limit:
             raise ValueError(f"max_num_batched_tokens: at most {limit} on this engine, the step its device memory "
@@ -381,7 +373,7 @@ class LLMEngine:
         """The step's inputs; as `_schedule`, a scheduled sequence whose own values make building
         them raise (each is tried alone) ends its request, and the rest are built again. None if no
         sequence is left."""
-        block_size, eos = self.block_manager.block_size, self.eos_token_ids
+        block_size, eos = self.runner.block_size, self.eos_token_ids
         try:
             inputs = build_step_inputs(sched.scheduled, block_size, eos, self._finished_seq_ids)
         except Exception:
@@ -427,7 +419,7 @@ class LLMEngine:
                 sched.scheduled = [s for s in sched.scheduled if s.seq.request.error is None]
                 if not sched.scheduled:
                     return None
-                inputs = build_step_inputs(sched.scheduled, self.block_manager.block_size, self.eos_token_ids,
+                inputs = build_step_inputs(sched.scheduled, self.runner.block_size, self.eos_token_ids,
                                            inputs.finished_seq_ids + self._finished_seq_ids)
                 self._finished_seq_ids = []
 

@@ -18,6 +18,7 @@ import msgspec
 
 from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.sched.sequence import DEFAULT_TENANT
+from kvpilot.runtime.tunables import PREEMPTION_MODE
 
 
 class QueueFullError(RuntimeError):
@@ -80,7 +81,7 @@ class EngineSnapshot(msgspec.Struct, frozen=True, array_like=True):
     num_blocks: int = 0
     kv_cache_usage: float = 0.0
     block_size: int = 0
-    preemption_mode: str = "recompute"
+    preemption_mode: str = PREEMPTION_MODE.default
     enable_prefix_caching: bool = False
     waiting_requests_by_tenant: dict[str, int] = {}  # requests waiting or swapped out, per tenant
     warming_up: bool = False  # start-up work left for after Ready still runs (engine/warm_up.py)

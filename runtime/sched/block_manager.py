@@ -35,6 +35,8 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, not {num_blocks}")
+        # the cut, as the runner's KV layout (its owner) has it: this torch-free side cannot read the
+        # layout, so it is handed it here and at every re-cut (`reconfigure`); the engine reads the layout's
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

@@ -208,8 +208,8 @@ class FairPolicy(Policy):
 
 
 def make_policy(config: SchedulerConfig) -> Policy:
-    if config.policy == "fair":
+    if config.scheduler_policy == "fair":
         return FairPolicy(config.fair_prompt_weight, config.fair_output_weight)
-    if config.policy == "priority":
+    if config.scheduler_policy == "priority":
         return PriorityPolicy(config.priority_aging_s)
     return FcfsPolicy()

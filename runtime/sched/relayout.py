@@ -157,7 +157,9 @@ def _plan_merge(old: int, new: int, num_old: int, num_new: int, flat: np.ndarray
         groups, group_of = groups[held], np.where(held[group_of], remap[group_of], -1)
     dest = _place(groups, k, num_new)
     batches, dest = _order(groups, dest, k, num_new, max_batch)
-    targets = _cut(dest[np.maximum(group_of, 0)].tolist(), group_counts, group_counts)
+    # (a cut of no blocks, e.g. a swap space smaller than one new block, holds no group: all dropped)
+    placed = dest[np.maximum(group_of, 0)] if len(dest) else np.full(len(group_of), -1)
+    targets = _cut(placed.tolist(), group_counts, group_counts)
     tables = tuple(t if ok else None for t, ok in zip(targets, alive.tolist(), strict=True))
     return RelayoutPlan(old, new, num_old, num_new, batches, tables)
 

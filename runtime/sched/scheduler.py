@@ -99,8 +99,8 @@ class Scheduler:
 
     @property
     def policy(self) -> Policy:
-        """The policy object of `config.policy`, rebuilt when the config names another one."""
-        if self._policy.name != self.config.policy:
+        """The policy object of `config.scheduler_policy`, rebuilt when the config names another one."""
+        if self._policy.name != self.config.scheduler_policy:
             self._policy = make_policy(self.config)
         return self._policy
 

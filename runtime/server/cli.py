@@ -8,6 +8,7 @@ import os
 import sys
 
 from kvpilot.runtime.args import add_engine_arguments
+from kvpilot.runtime.tunables import BY_NAME
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,9 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="serve /docs, /redoc and /openapi.json (off: the schema lists the admin routes)")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--tuned-config", default=None, metavar="FILE",
-                   help="JSON object of live tunables (block_size, preemption_mode, scheduler_policy, "
-                        "max_num_seqs, max_num_batched_tokens) that override their flags at start; a missing "
-                        "file is ignored (the operator mounts the config it tuned the other pods to here)")
+                   help=f"JSON object of live tunables ({', '.join(BY_NAME)}) that override their flags at "
+                        "start; a missing file is ignored (the operator mounts the config it tuned the other pods to here)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -199,8 +199,10 @@ class ServerMetrics:
             self.generation_tokens.labels(name).inc(stats.num_generation_tokens)
             if stats.num_preemptions:
                 self.preemptions.labels(name).inc(stats.num_preemptions)
-                self.preemptions_by_mode.labels(name, "swap").inc(stats.num_swapped_out)
-                self.preemptions_by_mode.labels(name, "recompute").inc(stats.num_preemptions - stats.num_swapped_out)
+                # every preemption that did not swap out recomputes
+                by_mode = {"swap": stats.num_swapped_out, "recompute": stats.num_preemptions - stats.num_swapped_out}
+                for mode in PREEMPTION_MODES:  # a mode the contract adds fails here until it is counted
+                    self.preemptions_by_mode.labels(name, mode).inc(by_mode[mode])
             self.swap_bytes.labels(name, "out").inc(stats.swap_out_bytes)
             self.swap_bytes.labels(name, "in").inc(stats.swap_in_bytes)
             self.swap_seconds.labels(name, "out").inc(stats.swap_out_seconds)

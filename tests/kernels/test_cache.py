@@ -7,6 +7,7 @@ import torch
 
 from kvpilot.kernels import reference
 from kvpilot.kernels.cache import write_kv_cache
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 
 def make_case(num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -30,7 +31,7 @@ def check_against_reference(case: tuple[torch.Tensor, ...]) -> None:
     assert torch.equal(v_cache, ref_v)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_matches_reference_and_skips_padding(block_size: int, dtype: torch.dtype, device: torch.device) -> None:
     check_against_reference(make_case(40, 3, 80, block_size, dtype, device))
@@ -75,6 +76,6 @@ def test_rejects_bad_arguments(case: str, message: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_gpu_bf16_real_sizes(block_size: int) -> None:
     check_against_reference(make_case(4096, 8, 128, block_size, torch.bfloat16, "cuda"))

@@ -15,6 +15,7 @@ from paged_batches import DECODE, MIXED, dense_float64, make_batch, step_plan
 from kvpilot.kernels import cpu_ops, ops, reference
 from kvpilot.kernels.cpu_ops import CpuOps
 from kvpilot.kernels.step_plan import StepPlan
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 # what the child interpreters need to import kvpilot as this one does (an install, or a folder of
 # import-name links on PYTHONPATH as benchmarks/run_on_gpu.sh makes)
@@ -43,7 +44,7 @@ def write_plan(slots: torch.Tensor, block_size: int) -> StepPlan:
                     torch.zeros(1, 2), block_size)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("specs", [DECODE, MIXED, [(300, 1), (1, 1), (129, 1)]], ids=["decode", "mixed", "long"])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (8, 1, 80)])
 def test_paged_attention_equals_reference_and_float64(

@@ -16,6 +16,7 @@ import torch
 from kvpilot.kernels import reference
 from kvpilot.kernels.kv_quant import FP8, FP8_MAX, dequantize, quantize
 from kvpilot.kernels.reference import kv_cache_empty
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 SCALES = (2.0 ** -4, 2.0 ** -7)  # powers of two: x / scale is exact
 
@@ -72,7 +73,7 @@ def test_reference_write_quantises_with_each_scale(head_major: bool) -> None:
         reference.write_kv_cache(k, v, k_cache, v_cache, slots)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("head_major", [False, True])
 def test_triton_write_stores_the_references_bytes(block_size: int, head_major: bool, device: torch.device) -> None:
     from kvpilot.kernels.cache import write_kv_cache
@@ -121,7 +122,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_gpu_fp8_writes_round_as_torch(block_size: int) -> None:
     """bf16 keys and values at real sizes (Llama-3-8B's KV heads), random positions: the write
     kernel and the fused rotary write store the bytes of torch's own cast of x / scale."""

@@ -10,6 +10,7 @@ import torch
 from tiny_models import TINY_CONFIGS, hf_greedy
 
 from kvpilot.runtime import LLM, SamplingParams
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -66,7 +67,7 @@ def test_tiny_architecture_matches_hf(kind: str, tiny_models) -> None:
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 20)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_every_block_size_and_chunking_matches_hf(block_size: int, chunk: int | None, tiny_models) -> None:
     folder, hf = tiny_models["llama"]

@@ -5,14 +5,20 @@ with it, and adding a tunable there without its other parts fails here."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import pydantic
 import pytest
 from crd_admission import openapi_schema
 
-from kvpilot.operator.spec import AutotuneSpec, EngineSpec
+from kvpilot.operator.manifests import Owner, engine_config
+from kvpilot.operator.model_source import resolve_model_source
+from kvpilot.operator.spec import AutotuneSpec, EngineSpec, InferenceServiceSpec
+from kvpilot.runtime import tunables as contract
+from kvpilot.runtime.args import EngineArgs
 from kvpilot.runtime.cli import build_parser
+from kvpilot.runtime.config import SCHEDULER_TUNABLES, SchedulerConfig
 from kvpilot.runtime.tunables import (
     BLOCK_SIZE,
     BY_NAME,
@@ -21,6 +27,16 @@ from kvpilot.runtime.tunables import (
     LiveConfig,
     check_changes,
 )
+
+
+def _not_default(t: Any) -> Any:
+    value = next(c for c in t.choices if c != t.default) if t.choices else t.minimum + 6
+    assert value != t.default
+    return value
+
+
+# a value of every tunable away from its default
+NOT_DEFAULT = LiveConfig(**{t.name: _not_default(t) for t in TUNABLES})
 
 
 def _spec() -> dict[str, Any]:
@@ -34,6 +50,22 @@ def test_the_crds_engine_field_is_the_contracts(tunable: Any) -> None:
     assert field.get("enum") == (list(tunable.choices) if tunable.choices else None)
     assert (field.get("minimum"), field.get("maximum")) == (tunable.minimum, tunable.maximum)
     assert field.get("default") == tunable.default
+
+
+def test_the_crds_status_engine_shows_every_tunable_the_operator_writes_there() -> None:
+    shown = openapi_schema()["properties"]["status"]["properties"]["engine"]["properties"]
+    assert {t.camel for t in TUNABLES} <= set(shown)
+    spec = InferenceServiceSpec.model_validate({"model": {"source": "embedded"}, "engine": NOT_DEFAULT.to_status()})
+    written = engine_config(Owner("llama", "serving", "uid"), spec, resolve_model_source("embedded"))
+    assert set(written) <= set(shown)
+    assert {t.camel: written[t.camel] for t in TUNABLES} == NOT_DEFAULT.to_status()
+
+
+def test_the_operators_engine_spec_holds_every_tunable_by_its_name_with_its_default() -> None:
+    for t in TUNABLES:
+        assert EngineSpec.model_fields[t.name].alias == t.camel
+        assert EngineSpec.model_fields[t.name].default == t.default
+    assert LiveConfig.from_json(EngineSpec.model_validate(NOT_DEFAULT.to_status()).model_dump()) == NOT_DEFAULT
 
 
 def test_the_crds_autotune_choices_and_status_are_the_contracts() -> None:
@@ -50,6 +82,8 @@ def test_the_crds_autotune_choices_and_status_are_the_contracts() -> None:
 
 def test_live_config_holds_every_tunable_and_speaks_each_wire() -> None:
     assert [f.name for f in dataclasses.fields(LiveConfig)] == [t.name for t in TUNABLES]
+    assert all(f.default is dataclasses.MISSING or f.default == BY_NAME[f.name].default
+               for f in dataclasses.fields(LiveConfig))
     config = LiveConfig(8, "swap", 128, 4096, "fair")
     assert LiveConfig.from_json({**config.to_json(), "num_blocks": 10}) == config  # the engine's extra keys
     assert LiveConfig.from_status(config.to_status()) == config
@@ -87,16 +121,45 @@ def test_every_tunable_is_a_serve_flag_with_the_contracts_default_and_values() -
         assert tunable.flag in action.option_strings
         assert action.default == tunable.default
         assert list(action.choices or ()) == list(tunable.choices or ())
+        assert action.help == tunable.help and tunable.help
     assert parser.parse_args(["--max-num-seqs", "65536"]).max_num_seqs == 65536
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-num-seqs", "65537"])
 
 
+def test_every_tunable_reaches_the_engines_config_from_llm_keywords_and_flags() -> None:
+    """EngineArgs (`LLM(...)`'s keywords, the flags' destination) carries each tunable, with the
+    contract's default, into the config whose holders the engine reads."""
+    fields = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    assert {t.name: fields[t.name] for t in TUNABLES} == {t.name: t.default for t in TUNABLES}
+    args = EngineArgs(device="cpu", **NOT_DEFAULT.to_json())
+    assert args.create_engine_config().tunables == NOT_DEFAULT
+
+
 def test_the_engine_implements_every_tunable() -> None:
-    from kvpilot.runtime.engine.engine import SCHEDULER_FIELDS
+    # the block size re-cuts the KV cache (`LLMEngine.update_config`); each other tunable is a field
+    # of the scheduler's config under its own name, which the scheduler reads every step
+    assert {t.name for t in SCHEDULER_TUNABLES} | {BLOCK_SIZE.name} == set(BY_NAME)
+    assert {t.name for t in SCHEDULER_TUNABLES} <= {f.name for f in dataclasses.fields(SchedulerConfig)}
 
-    # the block size re-cuts the KV cache; each other tunable is a field of the scheduler's config
-    assert set(SCHEDULER_FIELDS) | {"block_size"} == set(BY_NAME)
-    from kvpilot.runtime.config import SchedulerConfig
 
-    assert set(SCHEDULER_FIELDS.values()) <= {f.name for f in dataclasses.fields(SchedulerConfig)}
+def test_the_engine_cores_snapshot_carries_every_tunable() -> None:
+    """The API process reports each pod's live config from the snapshot the core sends each step."""
+    from kvpilot.runtime.engine.messages import EngineSnapshot
+
+    fields = EngineSnapshot.__struct_fields__
+    assert {t.name for t in TUNABLES} <= set(fields)
+    snapshot = EngineSnapshot(**NOT_DEFAULT.to_json())
+    assert LiveConfig.from_json({f: getattr(snapshot, f) for f in fields}) == NOT_DEFAULT
+
+
+def test_the_contracts_table_is_its_tunables() -> None:
+    """The module docstring's table, which a reader takes for the contract, lists each tunable
+    with its spellings, values and default."""
+    rows = [[cell.strip(" `") for cell in line.strip("|").split("|")]
+            for line in (contract.__doc__ or "").splitlines() if re.match(r"\| `", line)]
+    assert [row[:3] for row in rows] == [[t.name, t.flag, t.camel] for t in TUNABLES]
+    for row, t in zip(rows, TUNABLES, strict=True):
+        values = (", ".join(map(str, t.choices)) if t.choices else f"{t.minimum:,} to {t.maximum:,}")
+        assert row[3] == values
+        assert row[4].startswith(str(t.default) if t.default is not None else "none")

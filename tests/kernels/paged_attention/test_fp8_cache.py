@@ -24,6 +24,7 @@ from paged_batches import (
 from kvpilot.kernels import reference
 from kvpilot.kernels.kv_quant import dequantize
 from kvpilot.kernels.paged_attention import PrefillConfig, TmaDecodeConfig, paged_attention
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 # the caches' unit-normal values quantised well inside e4m3's range; the scales differ, so a kernel
 # that swapped or dropped one is caught
@@ -60,7 +61,7 @@ def test_the_reference_attends_over_the_dequantised_caches(device: torch.device)
         reference.paged_attention(*batch, 0.125)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_every_block_size_matches_the_dequantised_reference(block_size: int, device: torch.device) -> None:
     """Decode and prefill kernels in one batch."""
     batch, scales = fp8(SMALL_MIXED, block_size, device)
@@ -120,7 +121,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_gpu_fp8_real_sizes_every_path(block_size: int) -> None:
     """bf16 queries over FP8 caches whose unused slots are NaN, Llama-3-8B's heads: decode (split
     or not, with and without the hint), prefill and chunked prefill, and TMA decode where it reads

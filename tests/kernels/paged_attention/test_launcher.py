@@ -22,10 +22,11 @@ from paged_batches import (
 
 from kvpilot.kernels import reference
 from kvpilot.kernels.paged_attention import paged_attention, tma_decode
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 
 @pytest.mark.parametrize("hint", [False, True], ids=["no-hint", "max_query_len"])
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
 def test_every_block_size_matches_reference(
     block_size: int, specs: list[tuple[int, int]], hint: bool, device: torch.device
@@ -171,7 +172,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_gpu_decode_and_prefill_bf16_real_sizes(block_size: int) -> None:
     torch.manual_seed(block_size)
     lens = torch.randint(1, 3000, (24,)).tolist()

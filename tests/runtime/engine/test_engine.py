@@ -10,6 +10,7 @@ from tiny_models import hf_greedy
 
 from kvpilot.runtime import LLM, SamplingParams
 from kvpilot.runtime.engine.engine import RequestError
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 
 def all_blocks_free(llm: LLM) -> bool:
@@ -153,7 +154,7 @@ def test_the_switch_pass_waits_until_after_start_and_leaves_the_engine_as_config
     assert sorted(engine.runner._views_by_size) == [32] and engine.warm_up.pending
     engine.warm_up.finish()
     assert not engine.warm_up.pending
-    assert sorted(engine.runner._views_by_size) == engine.runner.allowed_block_sizes == [8, 16, 32, 64]
+    assert sorted(engine.runner._views_by_size) == engine.runner.allowed_block_sizes == list(BLOCK_SIZES)
     assert engine.runner.block_size == engine.block_manager.block_size == 32 and engine.last_relayout is None
     assert engine.block_manager.num_blocks == 4 and engine.block_manager.num_free_blocks == 4
     assert engine.scheduler.swap_pool.num_free_blocks == engine.scheduler.num_swap_blocks > 0

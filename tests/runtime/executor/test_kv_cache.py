@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvpilot.runtime.executor import kv_cache
 from kvpilot.runtime.executor.kv_cache import KVCacheLayout
 from kvpilot.runtime.sched.relayout import plan_relayout
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 HEADS, DIM = 2, 3
 
@@ -25,8 +26,8 @@ def tokens_of(view: torch.Tensor, table: list[int] | tuple[int, ...], block_size
 
 @st.composite
 def cache_states(draw):
-    old = draw(st.sampled_from([8, 16, 32, 64]))
-    new = draw(st.sampled_from([s for s in (8, 16, 32, 64) if s != old]))
+    old = draw(st.sampled_from(BLOCK_SIZES))
+    new = draw(st.sampled_from([s for s in BLOCK_SIZES if s != old]))
     capacity = draw(st.integers(1, 8)) * 64 + draw(st.sampled_from([0, 8, 24]))  # a ragged tail too
     num_old = capacity // old
     free = draw(st.permutations(range(num_old)))
@@ -113,6 +114,12 @@ def test_merge_that_cannot_fit_drops_the_fewest_sequences() -> None:
     assert len(plan.dropped) == 1
     with pytest.raises(ValueError, match="powers of two"):
         plan_relayout(16, 24, 4, 2, seqs, max_batch=4)
+
+
+def test_merge_into_a_cut_of_no_blocks_drops_every_sequence_that_holds_one() -> None:
+    # a swap space of 12 blocks of 8 tokens holds no block of 128: the swapped sequences are recomputed
+    plan = plan_relayout(8, 128, 12, 0, [([0, 1], 16), ([], 0), ([2], 3)], max_batch=4)
+    assert plan.tables == (None, [], None) and plan.batches == ()
 
 
 def test_layout_counts_blocks_from_one_allocation() -> None:

@@ -28,7 +28,7 @@ class Sim:
 
     def __init__(self, policy: str, num_blocks: int = 64, block_size: int = 16, **kw: object) -> None:
         config = SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 512,
-                                    "policy": policy, **kw})  # type: ignore[arg-type]
+                                    "scheduler_policy": policy, **kw})  # type: ignore[arg-type]
         self.sched = Scheduler(config, BlockManager(num_blocks, block_size))
         self.step_no = 0
         self.ids = itertools.count()
@@ -271,7 +271,7 @@ def test_live_policy_switches_lose_no_request_and_no_token() -> None:
     served = defaultdict(lambda: [0, 0])
     while sim.sched.num_unfinished:
         if sim.step_no % 5 == 4:
-            sim.sched.config = dataclasses.replace(sim.sched.config, policy=next(policies))
+            sim.sched.config = dataclasses.replace(sim.sched.config, scheduler_policy=next(policies))
         for tenant, (p, g) in sim.step().served_tokens.items():
             served[tenant][0] += p
             served[tenant][1] += g

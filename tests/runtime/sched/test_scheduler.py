@@ -14,6 +14,7 @@ from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.sched.block_manager import BlockManager
 from kvpilot.runtime.sched.scheduler import Scheduler, SchedulerOutput
 from kvpilot.runtime.sched.sequence import Request, Sequence
+from kvpilot.runtime.tunables import BLOCK_SIZES
 
 SEQ_IDS = itertools.count()  # an engine numbers its sequences; these tests are one engine
 
@@ -106,7 +107,7 @@ def test_finish_returns_every_block() -> None:
     assert not sched.running and not sched.waiting
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_block_manager_allocates_ceil_blocks(block_size: int) -> None:
     bm = BlockManager(100, block_size)
     seq = make_seq(1)
@@ -233,7 +234,7 @@ def prio_seq(num_prompt: int, rid: str, priority: int, arrival: float) -> Sequen
 
 
 def test_priority_policy_admits_by_priority_then_arrival() -> None:
-    sched = make(max_num_seqs=1, policy="priority")
+    sched = make(max_num_seqs=1, scheduler_policy="priority")
     seqs = [prio_seq(5, "late-low", 5, 0.0), prio_seq(5, "urgent", 0, 2.0), prio_seq(5, "next", 1, 1.0),
             prio_seq(5, "next-later", 1, 3.0)]
     for s in seqs:
@@ -257,7 +258,7 @@ def test_fcfs_admits_by_arrival_whatever_the_priority() -> None:
 
 
 def test_priority_policy_preempts_the_least_important_even_if_older() -> None:
-    sched = make(num_blocks=4, block_size=4, max_num_batched_tokens=64, policy="priority")
+    sched = make(num_blocks=4, block_size=4, max_num_batched_tokens=64, scheduler_policy="priority")
     old_low, new_high = prio_seq(7, "old-low", 9, 0.0), prio_seq(7, "new-high", 0, 1.0)
     sched.add(old_low)
     sched.add(new_high)
@@ -309,7 +310,7 @@ def test_backlog_counts_each_tenants_requests_waiting_or_swapped() -> None:
 
 
 def test_the_waiting_queue_is_ordered_only_when_a_sequence_can_be_admitted() -> None:
-    sched = make(max_num_seqs=1, policy="priority")
+    sched = make(max_num_seqs=1, scheduler_policy="priority")
     first, second = make_seq(8, "first"), make_seq(8, "second")
     sched.add(first)
     sched.add(second)
