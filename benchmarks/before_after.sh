@@ -6,7 +6,8 @@
 # e.g. OMP_NUM_THREADS=1 benchmarks/before_after.sh 18ec44d main 3 benchmarks/bench_cpu.py --repeats 3 --skip-hf --steps
 #
 # Each commit is exported (git archive) into a temporary folder with a `kvpilot` folder of links to
-# its packages, put first on PYTHONPATH for its runs (as benchmarks/run_on_gpu.sh does); SCRIPT is
+# its packages, put first on PYTHONPATH for its runs (as benchmarks/run_on_gpu.sh does), with
+# KVPILOT_BENCH_COMMIT naming it (the runs are outside any git checkout); SCRIPT is
 # this checkout's copy, the same for both, run with the Python of .venv (or $PYTHON). A module that
 # one tree lacks is still found in the installed checkout: time what both trees have.
 set -euo pipefail
@@ -31,6 +32,7 @@ done
 for round in $(seq 1 "$rounds"); do
   for side in before after; do
     echo "=== $side $(cat "$work/$side/commit"), round $round, load $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%H:%M:%S)"
-    (cd "$work" && PYTHONSAFEPATH=1 PYTHONPATH="$work/$side/shim" "$python" "$script" "$@")
+    (cd "$work" && PYTHONSAFEPATH=1 PYTHONPATH="$work/$side/shim" KVPILOT_BENCH_COMMIT="$(cat "$work/$side/commit")" \
+      "$python" "$script" "$@")
   done
 done

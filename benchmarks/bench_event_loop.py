@@ -93,6 +93,9 @@ def main() -> None:
     parser.add_argument("--within-chars", type=int, default=1_600, help="characters per prompt within the context")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=None, help="folder for the JSON result")
+    parser.add_argument("--commit", default=os.environ.get("KVPILOT_BENCH_COMMIT"),
+                        help="the commit measured, for the record (default: $KVPILOT_BENCH_COMMIT, which "
+                             "before_after.sh sets, else this checkout's HEAD)")
     args = parser.parse_args()
 
     engine_args = EngineArgs(max_model_len=args.max_model_len, max_num_seqs=64, max_num_batched_tokens=8192)
@@ -112,9 +115,10 @@ def main() -> None:
     }
     server.should_exit = True
     thread.join(timeout=60)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
     meta = {"commit": commit, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "load_average": os.getloadavg(), "python": sys.version.split()[0], "args": vars(args) | {"out": None}}
+            "load_average": os.getloadavg(), "python": sys.version.split()[0], "args": vars(args) | {"out": None, "commit": None}}
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_event_loop.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))

@@ -492,6 +492,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         token_ids, rows = result.token_ids, result.logprobs
         tokenizer = self.tokenizer if self.detokenize else None
+        max_len = self.config.model.max_model_len
         sample_index = num_prompt_tokens = num_generated = 0
         for s in launched.sched.scheduled:
             if not s.samples:
@@ -512,7 +513,7 @@ class LLMEngine:
                 if lp is not None:
                     logprobs.record_sample(seq, token, lp, self._decode)
                 new_text = tokenizer.detokenize_step(seq) if tokenizer is not None else ""
-                check_stop(seq, token, len(new_text), self.eos_token_ids, self.config.model.max_model_len)
+                check_stop(seq, token, len(new_text), self.eos_token_ids, max_len)
             except Exception as error:  # noqa: BLE001
                 self._fail_request(seq.request, f"postprocessing failed: {type(error).__name__}: {error}")
                 continue

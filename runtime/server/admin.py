@@ -60,7 +60,8 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
                            "(or KVPILOT_ADMIN_TOKEN)", type="not_found_error", code="admin_disabled")
         check_token(request, token, "admin token")
 
-    @app.api_route("/admin/config", methods=["GET", "HEAD"])
+    @app.get("/admin/config")
+    @app.head("/admin/config", include_in_schema=False)
     async def get_config(request: Request) -> dict[str, Any]:
         authorize(request)
         return await state.engine.live_config()

@@ -205,7 +205,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         tenant = authorize(request, body.user)
         return await state.serving.completions(body, request, tenant)
 
-    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    @app.get("/v1/models")
+    @app.head("/v1/models", include_in_schema=False)  # HEAD too, left out of the schema: one operation id a path
     async def models(request: Request) -> dict[str, Any]:
         authorize(request)
         return {"object": "list", "data": [{
@@ -215,7 +216,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)
     async def health() -> JSONResponse:
         snap = state.engine.snapshot
         body: dict[str, Any] = {
@@ -247,7 +249,8 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             body["message"] = "; ".join(warnings)
         return JSONResponse(body)
 
-    @app.api_route("/ready", methods=["GET", "HEAD"])
+    @app.get("/ready")
+    @app.head("/ready", include_in_schema=False)
     async def ready() -> JSONResponse:
         if state.draining or state.reloading:
             reason = "draining" if state.draining else "reloading"
@@ -256,11 +259,13 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"ready": False, "reason": "engine not running"}, status_code=503)
         return JSONResponse({"ready": True, "model": state.model_name, "startup": state.startup_record})
 
-    @app.api_route("/version", methods=["GET", "HEAD"])
+    @app.get("/version")
+    @app.head("/version", include_in_schema=False)
     async def version_() -> dict[str, str]:
         return {"version": _version()}
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    @app.get("/metrics")
+    @app.head("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(state.metrics.expose(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

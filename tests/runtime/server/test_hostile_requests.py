@@ -5,19 +5,25 @@ embedded SmolLM2) for the whole module; a hypothesis test throws random JSON at 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
+import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import h11
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_harness import RunningServer, start_server
+
+from kvpilot.runtime.outputs import RequestOutput
 
 MODEL = "SmolLM2-135M-Instruct"
 HI = [{"role": "user", "content": "Hi"}]
@@ -32,7 +38,7 @@ NESTED_LOOPS = ("{% for i in range(5000) %}{% for j in range(5000) %}{% for k in
 
 @pytest.fixture(scope="module")
 def server(smol_folder: str) -> Iterator[RunningServer]:
-    running = start_server({"max_model_len": 256, "max_num_seqs": 4}, max_queue_len=8,
+    running = start_server({"max_model_len": 256, "max_num_seqs": 72}, max_queue_len=8,
                            max_request_body_bytes=BODY_LIMIT, header_read_timeout=1.0)
     # the first requests pay one-time costs (the first prefill, the tokenizer's thread): not timed
     for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
@@ -47,10 +53,16 @@ def http(server: RunningServer) -> Iterator[httpx.Client]:
         yield client
 
 
+EMITTED_CODES: set[str] = set()  # every error `code` this module's requests were answered with
+
+
 def _post(http: httpx.Client, path: str, body: Any) -> httpx.Response:
     """`body` as JSON the way Python writes it (NaN and Infinity included), or raw bytes."""
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return http.post(path, content=content, headers={"Content-Type": "application/json"})
+    response = http.post(path, content=content, headers={"Content-Type": "application/json"})
+    if response.status_code >= 400:
+        EMITTED_CODES.add(response.json()["error"]["code"])
+    return response
 
 
 def _health_and_chat(http: httpx.Client) -> tuple[float, float]:
@@ -141,6 +153,76 @@ def test_a_hostile_request_gets_its_answer_and_harms_nothing(server: RunningServ
     _error(response, status, param, code)
 
 
+def _read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """Status and body of the one HTTP response on `sock` (sent `Connection: close`)."""
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="POST", target="/", headers=[("Host", "x")]))  # the request already sent
+    conn.send(h11.EndOfMessage())
+    status, body = 0, bytearray()
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(sock.recv(1 << 16))
+        elif isinstance(event, h11.Response):
+            status = event.status_code
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+            return status, bytes(body)
+
+
+def test_a_stream_whose_client_never_reads_holds_only_its_latest_output(server: RunningServer,
+                                                                       http: httpx.Client) -> None:
+    """Streaming `n: 64` to a client that reads nothing until the engine has generated every token:
+    the API process keeps the latest output of the request, not one per step (a few objects, not
+    dozens), serves others meanwhile, and the client then gets every token, coalesced."""
+    max_tokens = 32
+    # /health also asks the core, busy with 64 samples a step, for its memory: it waits at most 2 s
+    limit = max(MEANWHILE_S, 5 * max(_health_and_chat(http)[0] for _ in range(2))) + 2.0
+    body = json.dumps({**COMPLETION, "n": 64, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    port = int(server.base_url.rsplit(":", 1)[1])
+    # small socket buffers at both ends, as on a congested path, so that the server's writes block
+    # within a few steps (loopback's would take megabytes first)
+    listener = server.server.servers[0].sockets[0]  # its connections inherit the send buffer
+    default_sndbuf = listener.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    with stalled:
+        stalled.connect(("127.0.0.1", port))
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, default_sndbuf)
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+        def generated() -> bool:  # the core has finished the request (the client has read next to nothing)
+            h = server.health()
+            return h["running_seqs"] == 0 and h["waiting_seqs"] == 0
+
+        server.wait_until(lambda: server.health()["running_seqs"] > 0, timeout=60, what="the stream to start")
+        deadline = time.monotonic() + 240
+        while not generated():
+            assert time.monotonic() < deadline, server.health()
+            started = time.monotonic()
+            health = http.get("/health")
+            assert health.status_code == 200 and time.monotonic() - started < limit
+            chat = _post(http, "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 1})
+            assert chat.status_code == 200, chat.text
+        gc.collect()
+        held = [o for o in gc.get_objects() if isinstance(o, RequestOutput)]
+        assert len(held) <= 4, f"{len(held)} outputs held for a client that reads nothing"
+        stalled.settimeout(60)
+        status, raw = _read_response(stalled)
+    assert status == 200
+    events = [json.loads(line[6:]) for line in raw.decode().split("\n") if line.startswith("data: {")]
+    assert events[-1]["usage"]["completion_tokens"] == 64 * max_tokens
+    with_text = [e for e in events if e["choices"]]
+    assert {c["index"] for e in with_text for c in e["choices"]} == set(range(64))
+    assert len(with_text) < max_tokens  # what the client missed came as one output, not step by step
+    server.wait_until(lambda: server.health()["pending_requests"] == 0, timeout=30, what="nothing pending")
+    assert server.state.engine.is_alive
+
+
 def test_a_trusted_request_template_renders_and_an_endless_one_is_stopped(server: RunningServer,
                                                                           http: httpx.Client) -> None:
     serving = server.state.serving
@@ -180,6 +262,23 @@ def test_get_routes_answer_head_and_the_schema_is_off(http: httpx.Client) -> Non
         assert head.status_code == 200 and head.content == b"", path
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert http.get(path).status_code == 404, path
+
+
+def test_enable_docs_serves_the_schema_and_the_docs(smol_folder: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from kvpilot.runtime.args import EngineArgs
+    from kvpilot.runtime.cli import build_parser
+    from kvpilot.runtime.server.app import ServerConfig, ServerState, build_app
+
+    args = build_parser().parse_args(["serve", "--enable-docs"])
+    state = ServerState(EngineArgs(max_model_len=256).create_engine_config(), ServerConfig(enable_docs=args.enable_docs))
+    client = TestClient(build_app(state))  # no lifespan: the routes of the docs need no engine core
+    assert client.get("/docs").status_code == 200 and client.get("/redoc").status_code == 200
+    schema = client.get("/openapi.json")
+    assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
+    operation_ids = [op["operationId"] for path in schema.json()["paths"].values() for op in path.values()]
+    assert len(operation_ids) == len(set(operation_ids)), operation_ids  # client generators need them unique
 
 
 def test_a_client_that_goes_away_leaves_no_traceback(server: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
@@ -234,6 +333,15 @@ def test_random_json_at_every_field_never_gets_a_5xx(server: RunningServer, http
     response = _post(http, path, body)
     assert response.status_code < 500, (body, response.text[:500])
     assert server.state.engine.is_alive
+    server.wait_until(lambda: server.health()["pending_requests"] == 0, timeout=30, what="nothing pending")
+
+
+def test_every_code_answered_is_in_docs_errors_md() -> None:
+    table = (Path(__file__).resolve().parents[3] / "docs" / "errors.md").read_text()
+    documented = set(re.findall(r"^\| \d{3} \| `\w+` \| `(\w+)` \|", table, flags=re.MULTILINE))
+    answered = EMITTED_CODES | {code for *_, code in ROWS if code is not None}
+    assert "invalid_value" in documented and "request_too_large" in documented
+    assert answered <= documented, answered - documented
 
 
 def test_the_core_outlived_everything(server: RunningServer, http: httpx.Client) -> None:

@@ -4,6 +4,8 @@ and live re-configuration."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -240,11 +242,32 @@ def test_reload_refuses_paths_outside_the_allowed_root(server: RunningServer) ->
 
 def test_reload_swaps_the_model_between_requests(server: RunningServer, client: openai.OpenAI,
                                                  smol_folder: str) -> None:
-    # two reloads at once: one swaps the model, the other is refused while it runs
-    with ThreadPoolExecutor(2) as pool:
-        replies = list(pool.map(_reload, [server] * 2, [{"model_path": smol_folder,
-                                                         "served_model_name": "smol-reloaded"}] * 2))
+    # two reloads at once: one swaps the model, the other is refused while it runs; /health answers
+    # throughout (the event loop stays free), and afterwards the new core lives with nothing pending
+    healths: list[tuple[float, int, bool]] = []  # (seconds, status, reloading)
+    reloaded = threading.Event()
+
+    def poll_health() -> None:
+        while not reloaded.is_set():
+            started = time.monotonic()
+            answer = httpx.get(f"{server.base_url}/health", timeout=60)
+            healths.append((time.monotonic() - started, answer.status_code, answer.json()["reloading"]))
+            time.sleep(0.05)
+
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(_reload, [server] * 2, [{"model_path": smol_folder,
+                                                             "served_model_name": "smol-reloaded"}] * 2))
+    finally:
+        reloaded.set()
+        poller.join()
     assert sorted(r.status_code for r in replies) == [200, 409], [r.text for r in replies]
+    during = [(s, status) for s, status, reloading in healths if reloading]
+    assert during, healths  # asked while the new core was being built
+    assert all(status == 200 and s < 5 for s, status in during), during
+    assert server.state.engine.is_alive and server.health()["pending_requests"] == 0
     reply = next(r for r in replies if r.status_code == 200)
     assert next(r for r in replies if r.status_code == 409).json()["error"]["code"] == "conflict"
     assert reply.json()["model"] == "smol-reloaded"
