@@ -82,6 +82,6 @@ def summarize(pod: str, scrapes: Iterable[Scrape], now: float, window: float, *,
         arrivals_per_s=(last.arrivals - base.arrivals) / dt if dt > 0 else 0.0,
         preemptions_per_s=(last.preemptions - base.preemptions) / dt if dt > 0 else 0.0,
         swap_bytes_per_s=0.0, prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0,
-        iteration_time=_EMPTY, itl=_EMPTY, e2e=_EMPTY,
+        iteration_time=_EMPTY, itl=_EMPTY, e2e=_EMPTY, prompt_lengths=_EMPTY, generation_lengths=_EMPTY,
         ttft=Histogram((*TTFT_BUCKETS, math.inf), tuple(np.cumsum(last.ttft - base.ttft).tolist()))
         if with_ttft else _EMPTY)

@@ -2,9 +2,11 @@
 is sent, request for request and second for second, to a fresh `kvpilot serve` for every static
 configuration of a grid (each `--block-sizes` x `--preemption-modes` x `--max-num-seqs` x
 `--max-num-batched-tokens`, or the `--configs` given), then to fresh ones run by the autotuner
-(`--repeats` times; bench/autotune_loop.py: the operator's own tuning step, canary included,
-started in the policy's calm configuration with the grid's largest batch limits, which it may move
-within the grid's range). Every server gets the same KV budget in tokens (`--kv-tokens`, as
+(bench/autotune_loop.py: the operator's own tuning step, canary included, started in the policy's
+calm configuration with the grid's largest batch limits, which it may move within the grid's
+range). `--repeats N` runs every configuration, static and autotuned, N times, each on a fresh
+server: the verdicts use each configuration's mean and report the spread of its goodput, P99 TTFT
+and per-phase goodput. Every server gets the same KV budget in tokens (`--kv-tokens`, as
 `--num-gpu-blocks-override` of budget / block size), small enough that memory pressure is real.
 The objective is the operator's: goodput under `--slo`, which is also the tuner's
 `spec.autotune.slo`.
@@ -79,9 +81,15 @@ class Knobs:
 
 @dataclass(frozen=True)
 class RunPlan:
-    name: str
+    config: str  # what the run measures: a static configuration's name, or "autotuner"
     knobs: Knobs
     tuned: bool
+    repeat: int = 0  # of `--repeats`, from 0
+    repeats: int = 1
+
+    @property
+    def name(self) -> str:
+        return self.config if self.repeats == 1 else f"{self.config} #{self.repeat + 1}"
 
     @property
     def block_size(self) -> int:
@@ -117,7 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the static runs, e.g. 16/recompute 8/swap/64/1024 (default: the whole grid), with a value "
                         "for each batch limit the grid has; each must lie within the grid's values, which stay the "
                         "tuner's allowed ones")
-    g.add_argument("--repeats", type=flags.positive_int, default=1, help="autotuner runs, each on a fresh server")
+    g.add_argument("--repeats", type=flags.positive_int, default=1,
+                   help="runs of every configuration, static and autotuned, each on a fresh server")
     g.add_argument("--screen", type=flags.positive_float, default=None, metavar="SECONDS",
                    help="screen the grid instead: each static configuration on each phase alone for SECONDS")
     g.add_argument("--slo", default=None, metavar="ttft=500ms,itl=50ms",
@@ -204,12 +213,11 @@ def run(args: argparse.Namespace) -> int:
     if args.screen is not None:
         phases = tuple(dataclasses.replace(p, duration=args.screen) for p in phases)
     timed = build_requests(phases, args.seed)
-    plans = [RunPlan(f"static {k.name}", k, False) for k in statics]
+    plans = [RunPlan(f"static {k.name}", k, False, i, args.repeats) for k in statics for i in range(args.repeats)]
     if args.screen is None:
         calm = _calm_within(spec)
         start = Knobs(calm[0], calm[1], seqs[-1] if seqs else None, tokens[-1] if tokens else None)
-        plans += [RunPlan("autotuner" if args.repeats == 1 else f"autotuner #{i + 1}", start, True)
-                  for i in range(args.repeats)]
+        plans += [RunPlan("autotuner", start, True, i, args.repeats) for i in range(args.repeats)]
     from .server_process import ServerStartError
 
     try:

@@ -13,6 +13,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 from .autotune_workload import Phase, phase_bounds
@@ -41,7 +42,7 @@ def build_body(args: argparse.Namespace, phases: tuple[Phase, ...], slo: Slo, sp
             per_phase.append({"phase": phases[index].name, **_figures(mine, slo, end - start), **counters})
         overall = {**_figures(load.results, slo, duration), **_counters(run["counters"], -math.inf, math.inf)}
         entry: dict[str, Any] = {
-            "name": plan.name, **dataclasses.asdict(plan.knobs),
+            "name": plan.name, "config": plan.config, "repeat": plan.repeat, **dataclasses.asdict(plan.knobs),
             "tuned": plan.tuned, "num_gpu_blocks": run["num_gpu_blocks"], "overall": overall, "phases": per_phase,
             "requests": [{"phase": t.phase, "sent_s": r.sent_s, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s,
                           "error": r.error} for t, r in zip(timed, load.results, strict=True)],
@@ -103,8 +104,9 @@ def _counters(points: list[tuple[float, float, float]], start: float, end: float
 
 
 def _compare_outputs(runs: list[dict[str, Any]], baseline: str | None) -> dict[str, Any]:
-    """Every autotuner run's greedy texts against the unswitched default's, request by request."""
-    base = next((r for r in runs if r["plan"].name == baseline), None)
+    """Every autotuner run's greedy texts against the unswitched default's (its first run), request
+    by request."""
+    base = next((r for r in runs if r["plan"].config == baseline), None)
     tuned = [r for r in runs if r["plan"].tuned]
     if base is None or not tuned:
         return {"compared": 0, "note": "no unswitched default (16/recompute) run to compare with"}
@@ -115,59 +117,83 @@ def _compare_outputs(runs: list[dict[str, Any]], baseline: str | None) -> dict[s
         compared += len(pairs)
         differing += sum(1 for a, b in pairs if a.text != b.text)
         lost += sum(1 for a, b in both if a.ok and not b.ok)
-    return {"against": baseline, "runs": len(tuned), "compared": compared, "differing": differing, "lost": lost}
+    return {"against": base["plan"].name, "runs": len(tuned), "compared": compared, "differing": differing, "lost": lost}
 
 
-def _phase_goodput(index: int, run: dict[str, Any]) -> float:
-    return float(run["phases"][index]["goodput"])
+def _spread(values: list[float | None]) -> dict[str, float] | None:
+    """Mean, min and max of the values there are; None without any."""
+    known = [v for v in values if v is not None]
+    return {"mean": fmean(known), "min": min(known), "max": max(known)} if known else None
+
+
+def _by_config(runs: list[dict[str, Any]], phases: tuple[Phase, ...]) -> dict[str, dict[str, Any]]:
+    """Each configuration's runs (its repeats) and the spread of their figures, in run order."""
+    names = list(dict.fromkeys(r["config"] for r in runs))
+    out = {}
+    for name in names:
+        mine = [r for r in runs if r["config"] == name]
+        out[name] = {
+            "config": name, "tuned": mine[0]["tuned"], "runs": len(mine),
+            "goodput": _spread([r["overall"]["goodput"] for r in mine]),
+            "ttft_p99_s": _spread([r["overall"]["ttft_p99_s"] for r in mine]),
+            "phases": [{"phase": p.name, "goodput": _spread([r["phases"][i]["goodput"] for r in mine])}
+                       for i, p in enumerate(phases)]}
+    return out
+
+
+def _phase_mean(index: int, config: dict[str, Any]) -> float:
+    return float(config["phases"][index]["goodput"]["mean"])
 
 
 def _verdicts(runs: list[dict[str, Any]], phases: tuple[Phase, ...], baseline: str | None) -> dict[str, Any]:
-    """The issue's targets. The *oracle* is the best static configuration of each phase, switched
-    to instantly at the phase's start: its goodput is the phases' best goodputs weighted by their
-    durations. The autotuner's goodput should reach the best single static configuration's plus
-    half of the oracle's gain over it, come within 5% of the oracle in every phase, and keep P99
-    TTFT at most 0.7 of the unswitched default's; with repeats, each run is judged and their
-    spread given."""
-    static = [r for r in runs if not r["tuned"]]
+    """The issue's targets, on each configuration's mean over its repeats. The *oracle* is the best
+    static configuration of each phase, switched to instantly at the phase's start: its goodput is
+    the phases' best goodputs weighted by their durations. The autotuner's goodput should reach the
+    best single static configuration's plus half of the oracle's gain over it, come within 5% of
+    the oracle in every phase, and keep P99 TTFT at most 0.7 of the unswitched default's; each
+    autotuner run is judged, and every configuration's spread given (`spread`)."""
+    configs = _by_config(runs, phases)
+    static = [c for c in configs.values() if not c["tuned"]]
     tuned = [r for r in runs if r["tuned"]]
     if not static:
         return {}
     total = sum(p.duration for p in phases)
-    best = max(static, key=lambda r: r["overall"]["goodput"])
-    per_phase = [max(static, key=functools.partial(_phase_goodput, i)) for i in range(len(phases))]
-    oracle = sum(top["phases"][i]["goodput"] * p.duration for i, (top, p) in enumerate(zip(per_phase, phases,
-                                                                                          strict=True))) / total
-    gain = oracle - best["overall"]["goodput"]
+    best = max(static, key=lambda c: c["goodput"]["mean"])
+    per_phase = [max(static, key=functools.partial(_phase_mean, i)) for i in range(len(phases))]
+    phase_best = [top["phases"][i]["goodput"]["mean"] for i, top in enumerate(per_phase)]
+    oracle = sum(g * p.duration for g, p in zip(phase_best, phases, strict=True)) / total
+    best_goodput = best["goodput"]["mean"]
+    gain = oracle - best_goodput
     verdicts: dict[str, Any] = {
-        "best_static": best["name"], "best_static_goodput": best["overall"]["goodput"],
-        "phase_best": [{"phase": p.name, "config": top["name"], "goodput": top["phases"][i]["goodput"]}
-                       for i, (top, p) in enumerate(zip(per_phase, phases, strict=True))],
+        "best_static": best["config"], "best_static_goodput": best_goodput,
+        "phase_best": [{"phase": p.name, "config": top["config"], "goodput": g}
+                       for top, p, g in zip(per_phase, phases, phase_best, strict=True)],
         "oracle_goodput": oracle, "oracle_gain": gain,
-        "oracle_gain_ratio": gain / best["overall"]["goodput"] if best["overall"]["goodput"] else None,
-        "optima_differ": len({top["name"] for top in per_phase}) > 1,
+        "oracle_gain_ratio": gain / best_goodput if best_goodput else None,
+        "optima_differ": len({top["config"] for top in per_phase}) > 1,
+        "spread": list(configs.values()),
     }
     if not tuned:
         return verdicts
-    default = next((r for r in static if r["name"] == baseline), None)
-    target = best["overall"]["goodput"] + gain / 2
+    default = configs.get(baseline) if baseline is not None else None
+    default_ttft = (default["ttft_p99_s"] or {}).get("mean") if default is not None else None
+    target = best_goodput + gain / 2
     judged = []
     for run in tuned:
         mine = {"run": run["name"], "goodput": run["overall"]["goodput"],
                 "meets_goodput_target": run["overall"]["goodput"] >= target,
                 "phases": [{"phase": p.name, "goodput": run["phases"][i]["goodput"],
-                            "within_5_percent_of_oracle":
-                                run["phases"][i]["goodput"] >= (1 - PHASE_TOLERANCE) * per_phase[i]["phases"][i]["goodput"]}
-                           for i, p in enumerate(phases)]}
-        if default is not None and default["overall"]["ttft_p99_s"] and run["overall"]["ttft_p99_s"] is not None:
-            mine["ttft_p99_vs_default"] = run["overall"]["ttft_p99_s"] / default["overall"]["ttft_p99_s"]
+                            "within_5_percent_of_oracle": run["phases"][i]["goodput"] >= (1 - PHASE_TOLERANCE) * g}
+                           for i, (p, g) in enumerate(zip(phases, phase_best, strict=True))]}
+        if default_ttft and run["overall"]["ttft_p99_s"] is not None:
+            mine["ttft_p99_vs_default"] = run["overall"]["ttft_p99_s"] / default_ttft
             mine["meets_ttft_target"] = mine["ttft_p99_vs_default"] <= TTFT_TARGET
         judged.append(mine)
     goodputs = [r["goodput"] for r in judged]
     verdicts.update({
         "goodput_target": target, "autotuner": judged,
-        "autotuner_goodput": {"mean": sum(goodputs) / len(goodputs), "min": min(goodputs), "max": max(goodputs)},
-        "autotuner_at_least_best_static": min(goodputs) >= best["overall"]["goodput"],
+        "autotuner_goodput": _spread(goodputs),
+        "autotuner_at_least_best_static": min(goodputs) >= best_goodput,
     })
     return verdicts
 
@@ -205,10 +231,13 @@ def print_table(body: dict[str, Any]) -> None:
         print(f"{run['run']}: goodput {run['goodput']:.3f}/s vs target {v['goodput_target']:.3f}/s "
               f"({'met' if run['meets_goodput_target'] else 'missed'}){ttft}; within 5% of the oracle in "
               + ", ".join(f"{p['phase']} {'yes' if p['within_5_percent_of_oracle'] else 'no'}" for p in run["phases"]))
-    if v and len(v.get("autotuner", [])) > 1:
-        g = v["autotuner_goodput"]
-        print(f"autotuner over {len(v['autotuner'])} runs: goodput mean {g['mean']:.3f}/s, min {g['min']:.3f}, "
-              f"max {g['max']:.3f}")
+    repeated = [c for c in (v or {}).get("spread", []) if c["runs"] > 1]
+    if repeated:
+        print("over the repeats, mean [min, max]: goodput/s; P99 TTFT; goodput/s per phase")
+    for c in repeated:
+        print(f"  {c['config']} ({c['runs']} runs): {_range(c['goodput'], '{:.3f}')}; "
+              f"{_range(c['ttft_p99_s'], '{:.0f}', 1e3)} ms; "
+              + ", ".join(f"{p['phase']} {_range(p['goodput'], '{:.3f}')}" for p in c["phases"]))
     c = body["outputs_vs_unswitched"]
     if c.get("compared"):
         print(f"greedy outputs vs {c['against']}: {c['differing']} of {c['compared']} differ; "
@@ -218,6 +247,13 @@ def print_table(body: dict[str, Any]) -> None:
 def _knobs(config: dict[str, Any]) -> str:
     return (f"block {config['block_size']} {config['preemption_mode']}, max_num_seqs {config['max_num_seqs']}, "
             f"max_num_batched_tokens {config['max_num_batched_tokens']}")
+
+
+def _range(spread: dict[str, float] | None, form: str, scale: float = 1.0) -> str:
+    if spread is None:
+        return "n/a"
+    mean, low, high = (form.format(scale * spread[k]) for k in ("mean", "min", "max"))
+    return f"{mean} [{low}, {high}]"
 
 
 def _num(value: float | None) -> str:

@@ -38,12 +38,11 @@ from typing import Literal
 from kvpilot.runtime.tunables import LiveConfig
 
 from .outcomes import saturated
-from .signals import Signals, aggregate
+from .signals import Signals, aggregate, comparable_tolerance, differ
 from .tuning_spec import Knobs, TuningSpec
 from .window import WindowSummary
 
 Verdict = Literal["promote", "rollback", "wait"]
-MIN_COMPARABLE = 0.2  # offered loads and request mixes within this (relative) compare
 
 
 @dataclass(frozen=True)
@@ -72,13 +71,13 @@ def judge(canary: WindowSummary | None, baseline: Sequence[WindowSummary], targe
         return _wait_or_give_up(f"not enough requests: canary {mine.num_requests}, baseline "
                                 f"{theirs.num_requests}, {c.min_requests} needed on each side", timed_out, mine, theirs)
     full = (saturated([canary], spec.thresholds), saturated(list(baseline), spec.thresholds))
-    comparable = max(2 * c.tolerance, MIN_COMPARABLE)
+    comparable = comparable_tolerance(c.tolerance)
     offered = f"{mine.requests_per_s:.3f} vs {theirs.requests_per_s:.3f} requests/s per pod"
     if full in ((True, False), (False, True)):
         side = "the canary" if full[0] else "the baseline"
         return _wait_or_give_up(f"only {side} ran at capacity ({offered}): the load differs, nothing compares",
                                 timed_out, mine, theirs)
-    if full == (False, False) and _differ(mine.requests_per_s, theirs.requests_per_s, comparable):
+    if full == (False, False) and differ(mine.requests_per_s, theirs.requests_per_s, comparable):
         return _wait_or_give_up(f"offered loads differ by more than {comparable:.0%} ({offered}): nothing compares",
                                 timed_out, mine, theirs)
     if mix := _mix_differs(mine, theirs, comparable):
@@ -88,17 +87,13 @@ def judge(canary: WindowSummary | None, baseline: Sequence[WindowSummary], targe
     return _compare_latency(mine, theirs, c.tolerance, offered)
 
 
-def _differ(mine: float, theirs: float, tolerance: float) -> bool:
-    return abs(mine - theirs) > tolerance * max(theirs, 1e-9)
-
-
 def _mix_differs(mine: Signals, theirs: Signals, tolerance: float) -> str:
     """Why the two sides' request mixes do not compare; empty when they do."""
     prompt, generated = mine.prompt_tokens_per_request, mine.generation_tokens_per_request
     their_prompt, their_generated = theirs.prompt_tokens_per_request, theirs.generation_tokens_per_request
     if prompt is None or generated is None or their_prompt is None or their_generated is None:
-        return "no request got its first token on one side: the request mix is unknown"
-    if not (_differ(prompt, their_prompt, tolerance) or _differ(generated, their_generated, tolerance)):
+        return "no request finished on one side: the request mix is unknown"
+    if not (differ(prompt, their_prompt, tolerance) or differ(generated, their_generated, tolerance)):
         return ""
     return (f"the request mix differs by more than {tolerance:.0%} ({prompt:.0f} vs {their_prompt:.0f} prompt, "
             f"{generated:.0f} vs {their_generated:.0f} generated tokens a request): the traffic changed, "

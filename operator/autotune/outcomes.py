@@ -10,7 +10,11 @@ not the load's. *Throughput*: prompt plus generation tokens per second (a prompt
 request, so the prefill a recompute preemption repeats is not counted as work). A configuration's
 *estimate* is the duration-weighted mean throughput over every saturated window observed under it;
 its standard error comes from the spread between windows, and two estimates differ only by more
-than `canary.tolerance` and twice the noise of the difference. It is *measured* once its windows
+than `canary.tolerance` and twice the noise of the difference, and only when they were measured
+on a comparable request mix (`signals.request_mix`, the duration-weighted mean of the windows'
+own, within the canary's comparable tolerance): long prompts get through more tokens per second
+than chat on any configuration, so a configuration measured on documents does not beat one
+measured on chat. It is *measured* once its windows
 add up to the canary's window (`canary.window_s`: the time
 a change is given to show what it is worth). Goodput cannot be compared this way: it follows the
 offered load, which is what changed when the policy switched.
@@ -38,6 +42,7 @@ estimate and pause (`rebase`). A status written without a basis takes the curren
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -47,6 +52,7 @@ from typing import Any
 
 from kvpilot.runtime.tunables import BLOCK_SIZE, PREEMPTION_MODE
 
+from .signals import comparable_tolerance, mixes_differ, request_mix
 from .tuning_spec import EngineTarget, Knobs, Thresholds
 from .window import WindowSummary
 
@@ -57,10 +63,15 @@ class Estimate:
     stderr: float  # of that mean, from the spread between windows; inf with one window
     seconds: float  # saturated time behind it (summed over windows, the shortest pod's span)
     num_windows: int
+    mix: tuple[float, float] | None = None  # mean prompt and generated tokens a request; None: unknown
 
     def beats(self, other: Estimate, tolerance: float) -> bool:
         """Higher by more than `tolerance` (relative) and by more than twice the noise of the
-        difference: a gap inside either counts as no difference."""
+        difference, on a comparable request mix: a gap inside either, or across two mixes,
+        counts as no difference."""
+        if self.mix is not None and other.mix is not None and \
+                mixes_differ(self.mix, other.mix, comparable_tolerance(tolerance)):
+            return False
         noise = 2 * math.hypot(self.stderr, other.stderr)
         return self.tokens_per_s - other.tokens_per_s > max(tolerance * other.tokens_per_s, noise)
 
@@ -73,6 +84,7 @@ _ABSENT = object()  # a status key left out of the patch (None would remove what
 class Outcomes:
     def __init__(self, basis: Mapping[str, str] | None = None) -> None:
         self._sums: dict[Knobs, tuple[float, float, float, int]] = {}  # seconds, sum w*x, sum w*x^2, windows
+        self._mixes: dict[Knobs, tuple[float, float, float]] = {}  # seconds, sum w*prompt, sum w*generated
         self._pauses: dict[Switch, tuple[float, int]] = {}  # summed pause seconds, switches
         self.basis: dict[str, str] = dict(basis or {})
         self._dropped = False  # a rebase dropped figures: status must lose them too, until new ones come
@@ -80,7 +92,8 @@ class Outcomes:
     def copy(self) -> Outcomes:
         """An independent copy: the tuner's step adds to a copy, never to the state it was given."""
         other = Outcomes(self.basis)
-        other._sums, other._pauses, other._dropped = dict(self._sums), dict(self._pauses), self._dropped
+        other._sums, other._mixes, other._pauses = dict(self._sums), dict(self._mixes), dict(self._pauses)
+        other._dropped = self._dropped
         return other
 
     def rebase(self, basis: Mapping[str, str]) -> list[str]:
@@ -94,6 +107,7 @@ class Outcomes:
         if not known or not (self._sums or self._pauses):
             return []
         self._sums.clear()
+        self._mixes.clear()
         self._pauses.clear()
         self._dropped = True
         return [f"{key}: {known.get(key, '(unset)')} -> {basis.get(key, '(unset)')}"
@@ -129,7 +143,13 @@ class Outcomes:
         rate = fmean((s.prompt_tokens_per_s + s.generation_tokens_per_s) for s in windows)
         w, sx, sxx, n = self._sums.get(key, (0.0, 0.0, 0.0, 0))
         self._sums[key] = (w + seconds, sx + seconds * rate, sxx + seconds * rate * rate, n + 1)
+        if (mix := request_mix(windows)) is not None:
+            self._add_mix(key, seconds, mix)
         return key
+
+    def _add_mix(self, key: Knobs, seconds: float, mix: tuple[float, float]) -> None:
+        w, sp, sg = self._mixes.get(key, (0.0, 0.0, 0.0))
+        self._mixes[key] = (w + seconds, sp + seconds * mix[0], sg + seconds * mix[1])
 
     def estimate(self, config: Knobs) -> Estimate | None:
         """Whatever has been observed, measured or not."""
@@ -139,7 +159,13 @@ class Outcomes:
         mean = sx / w
         variance = max(0.0, sxx / w - mean * mean)
         stderr = math.sqrt(variance / (n - 1)) if n > 1 else math.inf
-        return Estimate(mean, stderr, w, n)
+        return Estimate(mean, stderr, w, n, self._mix(config))
+
+    def _mix(self, config: Knobs) -> tuple[float, float] | None:
+        if config not in self._mixes:
+            return None
+        w, sp, sg = self._mixes[config]
+        return sp / w, sg / w
 
     def measured(self, min_seconds: float) -> dict[Knobs, Estimate]:
         """The estimates backed by at least `min_seconds` of saturated data: what the policy uses."""
@@ -161,9 +187,12 @@ class Outcomes:
         kept = sorted(self._sums.items(), key=lambda kv: -kv[1][0])[:MAX_OUTCOMES]
         for config, (w, sx, sxx, n) in sorted(kept, key=lambda kv: _order(kv[0])):
             mean = sx / w
-            rows.append({**config.to_status(), "tokensPerSecond": round(mean, 3),
-                         "spread": round(math.sqrt(max(0.0, sxx / w - mean * mean)), 3),
-                         "seconds": round(w, 3), "windows": n})
+            row = {**config.to_status(), "tokensPerSecond": round(mean, 3),
+                   "spread": round(math.sqrt(max(0.0, sxx / w - mean * mean)), 3), "seconds": round(w, 3),
+                   "windows": n}
+            if (mix := self._mix(config)) is not None:
+                row |= {"promptTokensPerRequest": round(mix[0], 3), "generatedTokensPerRequest": round(mix[1], 3)}
+            rows.append(row)
         if rows:
             out["outcomes"] = rows
         if self._pauses:
@@ -188,6 +217,9 @@ class Outcomes:
                 continue
             if w > 0 and n > 0:
                 outcomes._sums[config] = (w, w * mean, w * (spread * spread + mean * mean), n)
+                with contextlib.suppress(KeyError, TypeError, ValueError):
+                    outcomes._add_mix(config, w, (float(row["promptTokensPerRequest"]),
+                                                  float(row["generatedTokensPerRequest"])))
         for row in tuning.get("switchPauses") or []:
             try:
                 pair, n = (_from_target(row["from"]), _from_target(row["to"])), int(row["switches"])

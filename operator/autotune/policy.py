@@ -37,7 +37,10 @@ Rules, in the order a reason lists them:
   blocks would not admit one more sequence), halved when memory thrashes (preemptions high, KV
   usage high);
 * max_num_batched_tokens (with a range and an SLO): halved when P99 ITL misses its target and TTFT
-  does not (prefill chunks stall decodes less), doubled in the opposite case.
+  does not (prefill chunks stall decodes less), doubled in the opposite case;
+* batch limits the two rules above ask for that were measured at capacity (at the block size and
+  mode chosen) and got through no more tokens per second than those in force (within
+  `canary.tolerance` and the noise) are not tried again: those in force stay.
 Cooldown and dwell gate everything: no change within `cooldown_s` of the last one, and none on
 less than `min_dwell_s` of data gathered under the config in force.
 """
@@ -101,6 +104,9 @@ def decide(summaries: Mapping[str, WindowSummary], current: LiveConfig, spec: Tu
     why_engine = "; ".join(r for r in (why_engine, why_cost) if r)
     seqs, why_seqs = _max_num_seqs(signals, current, spec)
     tokens, why_tokens = _max_num_batched_tokens(signals, current, spec, limits)
+    seqs, tokens, why_measured = _measured_limits(in_force.with_engine(engine), seqs, tokens, measured or {},
+                                                  spec.canary.tolerance)
+    why_tokens = "; ".join(r for r in (why_tokens, why_measured) if r)
     target = dataclasses.replace(current, block_size=engine.block_size, preemption_mode=engine.preemption_mode,
                                  max_num_seqs=seqs, max_num_batched_tokens=tokens)
     reason = "; ".join([r for r in (why_engine, why_seqs, why_tokens) if r] + left_out)
@@ -303,6 +309,19 @@ def _max_num_seqs(sig: Signals, current: LiveConfig, spec: TuningSpec) -> tuple[
     if new == now:
         return now, f"{why}: max_num_seqs stays {now}, at its bound"
     return new, f"{why}: max_num_seqs {now} -> {new}"
+
+
+def _measured_limits(held: Knobs, seqs: int, tokens: int, measured: Mapping[Knobs, Estimate],
+                     tolerance: float) -> tuple[int, int, str]:
+    """`seqs` and `tokens`, unless they and `held`'s limits were both measured (at `held`'s block
+    size and mode) and they got through no more: then `held`'s, and why."""
+    wanted = dataclasses.replace(held, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+    mine, theirs = measured.get(held), measured.get(wanted)
+    if wanted == held or mine is None or theirs is None or theirs.beats(mine, tolerance):
+        return seqs, tokens, ""
+    return held.max_num_seqs, held.max_num_batched_tokens, (
+        f"max_num_seqs {seqs}, max_num_batched_tokens {tokens} measured {_rate(theirs)} against {_rate(mine)} "
+        f"at max_num_seqs {held.max_num_seqs}, max_num_batched_tokens {held.max_num_batched_tokens}: those stay")
 
 
 def _max_num_batched_tokens(sig: Signals, current: LiveConfig, spec: TuningSpec,

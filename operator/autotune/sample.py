@@ -42,6 +42,9 @@ HISTOGRAMS = {
     "ttft": "vllm:time_to_first_token_seconds",
     "itl": "vllm:inter_token_latency_seconds",
     "e2e": "vllm:e2e_request_latency_seconds",
+    # token counts of each finished request: the request mix (signals.py)
+    "prompt_lengths": "vllm:request_prompt_tokens",
+    "generation_lengths": "vllm:request_generation_tokens",
 }
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 LIVE_CONFIG_INFO = "kvpilot_live_config_info"  # a label per live tunable, by its name in the contract
@@ -103,6 +106,11 @@ class Histogram:
     @property
     def count(self) -> float:
         return self.counts[-1]
+
+    @property
+    def mean(self) -> float | None:
+        """The observations' mean; None without any."""
+        return self.sum / self.count if self.count > 0 else None
 
     def restarted_since(self, earlier: Histogram) -> bool:
         moved = self.created is not None and earlier.created is not None and self.created != earlier.created

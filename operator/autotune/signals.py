@@ -4,11 +4,12 @@ Levels and rates are per pod (means over the pods), because a Service spreads re
 and the thresholds are a single engine's; quantiles come from the pods' histograms merged, which
 is exact, never from an average of per-pod quantiles.
 
-The *request mix* is what an average request asks for: prompt tokens and generated tokens per
-request that got its first token (the prompt counter moves at the first token too, so both
-share one denominator). A config does not change it; the traffic does, and with it the
-tokens/s an engine gets through at capacity (a long prompt's prefill runs far more tokens per
-second than decoding).
+The *request mix* is what an average request asks for: the mean prompt and generated tokens of
+the requests finished in the span (`vllm:request_prompt_tokens`, `vllm:request_generation_tokens`:
+exact per request, where token counters over a span shorter than a request's life mix in the
+requests still running). A config does not change it; the traffic does, and with it the tokens/s
+an engine gets through at capacity (a long prompt's prefill runs far more tokens per second than
+decoding).
 """
 
 from __future__ import annotations
@@ -20,6 +21,31 @@ from statistics import fmean
 from .sample import Histogram
 from .tuning_spec import SloTargets
 from .window import WindowSummary
+
+MIN_COMPARABLE = 0.2  # offered loads and request mixes within this (relative) compare
+
+
+def comparable_tolerance(tolerance: float) -> float:
+    """How far apart (relative) two loads or mixes may lie and still compare: the larger of twice
+    `canary.tolerance` and `MIN_COMPARABLE`."""
+    return max(2 * tolerance, MIN_COMPARABLE)
+
+
+def differ(mine: float, theirs: float, tolerance: float) -> bool:
+    return abs(mine - theirs) > tolerance * max(theirs, 1e-9)
+
+
+def request_mix(summaries: Sequence[WindowSummary]) -> tuple[float, float] | None:
+    """The mean prompt and generated tokens of the requests the pods finished; None without any."""
+    prompts = Histogram.merge(s.prompt_lengths for s in summaries)
+    generated = Histogram.merge(s.generation_lengths for s in summaries)
+    if prompts.mean is None or generated.mean is None:
+        return None
+    return prompts.mean, generated.mean
+
+
+def mixes_differ(mine: tuple[float, float], theirs: tuple[float, float], tolerance: float) -> bool:
+    return any(differ(m, t, tolerance) for m, t in zip(mine, theirs, strict=True))
 
 
 @dataclass(frozen=True)
@@ -36,7 +62,7 @@ class Signals:
     mean_context_tokens: float | None
     generation_tokens_per_s: float
     tokens_per_s: float  # prompt plus generated: at capacity, the config's throughput
-    prompt_tokens_per_request: float | None  # the request mix (module docstring); None without a first token
+    prompt_tokens_per_request: float | None  # the request mix (module docstring); None without a finished request
     generation_tokens_per_request: float | None
     requests_per_s: float  # finished
     goodput_per_s: float  # finished requests that met the TTFT target (all of them without one)
@@ -52,7 +78,7 @@ def aggregate(summaries: Sequence[WindowSummary], slo: SloTargets) -> Signals:
         raise ValueError("summaries: at least one pod's window is needed")
     ttft = Histogram.merge(s.ttft for s in summaries)
     contexts = [s.mean_context_tokens for s in summaries if s.mean_context_tokens is not None]
-    started = ttft.count
+    mix = request_mix(summaries)
     return Signals(
         num_pods=len(summaries),
         duration_s=min(s.duration_s for s in summaries),
@@ -64,10 +90,8 @@ def aggregate(summaries: Sequence[WindowSummary], slo: SloTargets) -> Signals:
         mean_context_tokens=fmean(contexts) if contexts else None,
         generation_tokens_per_s=fmean(s.generation_tokens_per_s for s in summaries),
         tokens_per_s=fmean(s.prompt_tokens_per_s + s.generation_tokens_per_s for s in summaries),
-        prompt_tokens_per_request=sum(s.prompt_tokens_per_s * s.duration_s for s in summaries) / started
-        if started else None,
-        generation_tokens_per_request=sum(s.generation_tokens_per_s * s.duration_s for s in summaries) / started
-        if started else None,
+        prompt_tokens_per_request=None if mix is None else mix[0],
+        generation_tokens_per_request=None if mix is None else mix[1],
         requests_per_s=fmean(s.e2e.count / s.duration_s for s in summaries),
         goodput_per_s=fmean(_goodput(s, slo) for s in summaries),
         slo_share=1.0 if slo.ttft_p99_s is None or ttft.count == 0 else ttft.count_at_most(slo.ttft_p99_s) / ttft.count,

@@ -43,6 +43,8 @@ class WindowSummary:
     ttft: Histogram
     itl: Histogram
     e2e: Histogram
+    prompt_lengths: Histogram  # prompt tokens of the requests finished within the span
+    generation_lengths: Histogram  # their generated tokens
 
     @property
     def duration_s(self) -> float:

@@ -41,6 +41,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0)
 _ITERATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# vLLM's 1-2-5 series for a request's token counts (it stops at max_model_len; one series for any)
+_LENGTH_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
 MAX_TENANT_LABELS = 16
 OTHER_TENANTS = "other"
 TOKEN_KINDS = ("prompt", "generation")
@@ -87,6 +89,13 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", m,
                              buckets=_REQUEST_BUCKETS, registry=r)
+        # per finished request: its sums over counts are the mean request's shape over any span,
+        # which the operator compares before judging one config's throughput against another's
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens of a finished request.",
+                                               m, buckets=_LENGTH_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens of a finished request.", m,
+                                                   buckets=_LENGTH_BUCKETS, registry=r)
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time spent waiting before first scheduled.",
                                     m, buckets=_REQUEST_BUCKETS, registry=r)
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
@@ -121,7 +130,8 @@ class ServerMetrics:
         self.tenants = TenantLabels(max_tenant_labels, tenants or [])
         # every series exists from the start, so scrapers and rate() see zeros, not gaps
         for metric in (self.running, self.waiting, self.kv_usage_perc, self.preemptions, self.prompt_tokens,
-                       self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time,
+                       self.generation_tokens, self.ttft, self.itl, self.e2e, self.request_prompt_tokens,
+                       self.request_generation_tokens, self.queue_time,
                        self.prefix_queries, self.prefix_hits, self.iteration_time, self.num_running_seqs,
                        self.num_waiting_seqs, self.num_swapped_seqs, self.kv_usage_ratio, self.block_size,
                        self.config_changes):
@@ -232,6 +242,8 @@ class ServerMetrics:
             self._last_token_time.pop(out.request_id, None)
             finished = m.finished_time or time.time()
             self.e2e.labels(name).observe(finished - m.arrival_time)
+            self.request_prompt_tokens.labels(name).observe(len(out.prompt_token_ids))
+            self.request_generation_tokens.labels(name).observe(sum(len(c.token_ids) for c in out.outputs))
             if m.first_scheduled_time is not None:
                 self.queue_time.labels(name).observe(m.first_scheduled_time - m.arrival_time)
             reason = out.outputs[0].finish_reason or "abort"

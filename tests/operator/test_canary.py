@@ -6,8 +6,9 @@ which follows the mix, would have); a real gain is promoted."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from autotune_fixtures import summary
+from autotune_fixtures import LENGTH_BUCKETS, histogram, summary
 
 from kvpilot.operator.autotune import (
     CanarySpec,
@@ -91,7 +92,7 @@ def test_a_real_gain_at_capacity_is_promoted_and_a_loss_rolled_back_whatever_the
 
 
 def served(pod: str, requests: int, prompt: int, generated: int, *, target: bool = False,
-           **fields: float) -> WindowSummary:
+           **fields: Any) -> WindowSummary:
     """A 300 s window of `requests` requests of `prompt` prompt and `generated` generated tokens
     each, on the target's config or the one before it."""
     return summary(pod, duration_s=300.0, block_size=8 if target else 16, mode="swap" if target else "recompute",
@@ -115,6 +116,17 @@ def test_a_change_of_request_mix_at_capacity_alone_promotes_nothing() -> None:
     j = judge(served("canary", 600, prompt=150, generated=150, target=True, **BUSY),
               [served("canary", 150, prompt=2000, generated=100, **BUSY)], TARGET, SPEC, elapsed_s=400)
     assert j.verdict == "wait" and j.reason.startswith("the request mix differs")
+
+
+def test_the_mix_is_read_from_finished_requests_not_from_token_counters() -> None:
+    """A short canary window at capacity: the token counters also hold the tokens of requests still
+    running (here twice the finished ones' share of generated tokens), the requests that finished
+    are the same chat as before: the mix compares, and the gain shows."""
+    same = histogram([150.0] * 300, LENGTH_BUCKETS)
+    faster = served("canary", 300, prompt=150, generated=300, target=True, generation_lengths=same, **BUSY)
+    j = judge(faster, [served("canary", 240, prompt=150, generated=150, **BUSY)], TARGET, SPEC, elapsed_s=400)
+    assert j.canary is not None and j.canary.generation_tokens_per_request == 150.0
+    assert j.verdict == "promote" and j.reason == "both at capacity: 450 vs 240 tokens/s per pod"
 
 
 def test_longer_answers_alone_promote_nothing() -> None:

@@ -19,6 +19,7 @@ from kvpilot.operator.autotune import (
     EngineLimits,
     EngineTarget,
     Estimate,
+    KnobRange,
     Knobs,
     LiveConfig,
     Outcomes,
@@ -74,7 +75,8 @@ def test_a_saturated_span_is_counted_as_its_configurations_throughput() -> None:
     w = summary(block_size=8, mode="swap", duration_s=10.0, num_waiting_seqs=80.0, prompt_tokens_per_s=300.0,
                 generation_tokens_per_s=200.0)
     assert o.observe({"pod-0": w}, T) == B8_SWAP
-    assert o.estimate(B8_SWAP) == Estimate(500.0, math.inf, 10.0, 1)
+    # the 200 requests it finished: 300 prompt and 200 generated tokens/s over 10 s
+    assert o.estimate(B8_SWAP) == Estimate(500.0, math.inf, 10.0, 1, mix=(15.0, 10.0))
 
 
 def test_spans_are_weighted_by_their_length() -> None:
@@ -94,6 +96,22 @@ def test_a_gap_inside_the_noise_between_windows_is_no_difference() -> None:
     assert not Estimate(1040.0, 0.0, 600.0, 60).beats(steady, 0.05)  # within the tolerance
     one_window = Estimate(5000.0, math.inf, 60.0, 1)
     assert not one_window.beats(steady, 0.05) and not steady.beats(one_window, 0.05)
+
+
+def test_estimates_measured_on_different_request_mixes_never_beat_each_other() -> None:
+    """Documents get through more tokens per second than chat on any configuration."""
+    chat, documents = Estimate(1000.0, 10.0, 600.0, 60, (150.0, 150.0)), Estimate(3000.0, 10.0, 600.0, 60, (2000.0, 100.0))
+    assert not documents.beats(chat, 0.05) and not chat.beats(documents, 0.05)
+    assert dataclasses.replace(documents, mix=(160.0, 140.0)).beats(chat, 0.05)  # within 20%: it compares
+    assert dataclasses.replace(documents, mix=None).beats(chat, 0.05)  # unknown (an older status): as before
+
+
+def test_calm_returns_to_its_target_when_the_better_figure_was_measured_on_other_traffic() -> None:
+    known = measured(b16_rec=1000.0, b8_swap=1300.0)
+    assert decide_on(B8_SWAP, 0.0, known)[0] is None  # kept: 8/swap measured better
+    on_documents = {**known, B8_SWAP: dataclasses.replace(known[B8_SWAP], mix=(2000.0, 100.0)),
+                    B16_REC: dataclasses.replace(known[B16_REC], mix=(150.0, 150.0))}
+    assert decide_on(B8_SWAP, 0.0, on_documents)[0] == B16_REC
 
 
 def test_an_unsaturated_span_says_nothing_about_capacity() -> None:
@@ -222,6 +240,27 @@ def test_without_measurements_the_hysteresis_band_holds_whatever_is_in_force() -
     assert target is None and "block_size 8, recompute stays" in reason
 
 
+def test_batch_limits_measured_no_better_than_those_in_force_are_not_tried_again() -> None:
+    """Memory thrashes: the rule halves max_num_seqs (the only knob free to move), but 128 was
+    tried and got through less."""
+    halved = dataclasses.replace(B16_REC, max_num_seqs=128)
+    thrashing = summary(**at(B16_REC, num_waiting_seqs=300.0, preemptions_per_s=5.0, kv_cache_usage=0.95))
+    spec = dataclasses.replace(SPEC, max_num_seqs=KnobRange(64, 256), allowed_block_sizes=(16,),
+                               allowed_preemption_modes=("recompute",))
+    known = {**measured(b16_rec=1000.0), halved: Estimate(700.0, 0.0, 600.0, 60)}
+
+    def limits(measured_: dict[Knobs, Estimate]) -> tuple[int | None, str]:
+        d = decide({"pod-0": thrashing}, config(B16_REC), spec, LIMITS, now=10_000.0, last_change=None,
+                   measured=measured_)
+        return (None if d.target is None else d.target.max_num_seqs), d.reason
+    target, reason = limits(known)
+    assert target is None
+    assert "max_num_seqs 128, max_num_batched_tokens 2048 measured 700 tok/s over 600 s against 1000 tok/s" in reason
+    # unmeasured, or measured better, it is tried
+    assert limits(measured(b16_rec=1000.0))[0] == 128
+    assert limits({**known, halved: Estimate(1200.0, 0.0, 600.0, 60)})[0] == 128
+
+
 # --- the switch cost ---
 
 DWELL_10 = dataclasses.replace(SPEC, min_dwell_s=10.0)
@@ -281,6 +320,8 @@ def test_outcomes_and_pauses_go_through_status_and_back_unchanged() -> None:
     status = json.loads(json.dumps({"config": {"blockSize": 8}, **o.to_status()}))  # as the API stores it
     assert [(r["blockSize"], r["preemptionMode"], r["maxNumSeqs"], r["maxNumBatchedTokens"], r["windows"])
             for r in status["outcomes"]] == [(8, "swap", 256, 2048, 3), (16, "recompute", 256, 2048, 1)]
+    assert (status["outcomes"][1]["promptTokensPerRequest"], status["outcomes"][1]["generatedTokensPerRequest"]) \
+        == (135.0, 15.0)  # 900 and 100 tokens/s over 30 s, 200 requests
     assert status["switchPauses"][1] == {"from": {"blockSize": 16, "preemptionMode": "recompute"},
                                          "to": {"blockSize": 8, "preemptionMode": "swap"},
                                          "pauseMs": 30.0, "switches": 2}
@@ -291,6 +332,7 @@ def test_outcomes_and_pauses_go_through_status_and_back_unchanged() -> None:
         assert after.tokens_per_s == pytest.approx(before.tokens_per_s, abs=1e-3)
         assert after.seconds == pytest.approx(before.seconds) and after.num_windows == before.num_windows
         assert after.stderr == pytest.approx(before.stderr, rel=1e-3)  # inf for the single window
+        assert after.mix == pytest.approx(before.mix, abs=1e-3)  # rounded as status keeps it
     assert back.pauses() == pytest.approx(o.pauses())
     assert back.to_status() == o.to_status()
     back.record_pause(B16_REC.engine, B8_SWAP.engine, 0.090)  # a restored mean goes on as if never written

@@ -39,6 +39,8 @@ def test_a_page_parses_into_settings_levels_counters_and_histograms() -> None:
     assert len(sample.counters["swap_bytes"]) == 2  # one series per direction
     (ttft,) = sample.histograms["ttft"].values()
     assert ttft.count == 2 and ttft.bounds[-1] == math.inf
+    (prompts,), (generated,) = sample.histograms["prompt_lengths"].values(), sample.histograms["generation_lengths"].values()
+    assert (prompts.mean, generated.mean) == (40, 5)  # each finished request's token counts
     assert sample.tokens_in_kv_cache == 0.25 * 512 * 32
 
 

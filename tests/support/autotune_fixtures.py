@@ -29,6 +29,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0)
 ITERATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LENGTH_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
 
 
 class PodMetrics:
@@ -52,6 +53,10 @@ class PodMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "", m, buckets=REQUEST_BUCKETS, registry=r).labels(model)
         self.iteration = Histogram("kvpilot_iteration_time_seconds", "", m, buckets=ITERATION_BUCKETS,
                                    registry=r).labels(model)
+        self.prompt_lengths = Histogram("vllm:request_prompt_tokens", "", m, buckets=LENGTH_BUCKETS,
+                                        registry=r).labels(model)
+        self.generation_lengths = Histogram("vllm:request_generation_tokens", "", m, buckets=LENGTH_BUCKETS,
+                                            registry=r).labels(model)
         self._info = Gauge("vllm:cache_config_info", "", m + ["block_size", "num_gpu_blocks", "preemption_mode",
                                                               "enable_prefix_caching"], registry=r)
         self._live = Gauge("kvpilot_live_config_info", "", m + [t.name for t in TUNABLES], registry=r)
@@ -85,6 +90,8 @@ class PodMetrics:
                 self.itl.observe(itl)
             self.prompt_tokens.inc(prompt_tokens)
             self.generation_tokens.inc(output_tokens)
+            self.prompt_lengths.observe(prompt_tokens)
+            self.generation_lengths.observe(output_tokens)
 
     def text(self) -> str:
         """The page with `_created` series, as prometheus_client writes by default (tests that want
@@ -109,7 +116,10 @@ def summary(pod: str = "pod-0", duration_s: float = 60.0, block_size: int = 16, 
             requests: int = 200, ttft: float = 0.05, itl: float = 0.02, max_num_seqs: int = 256,
             max_num_batched_tokens: int = 2048, **fields: Any) -> WindowSummary:
     """A pod's window over `duration_s` ending at t=1000 with `requests` finished requests of the
-    given latencies, run on the given knobs; every other field from `fields` or a calm default."""
+    given latencies, run on the given knobs; every other field from `fields` or a calm default.
+    Each request's prompt and generated tokens are the token rates' share of it."""
+    prompt_rate, generation_rate = fields.get("prompt_tokens_per_s", 100.0), fields.get("generation_tokens_per_s", 50.0)
+    per_request = [duration_s * rate / requests if requests else 0.0 for rate in (prompt_rate, generation_rate)]
     base = WindowSummary(
         pod=pod, start=1000.0 - duration_s, end=1000.0, num_samples=int(duration_s // 10) or 1,
         settings=EngineSettings(LiveConfig(block_size, mode, max_num_seqs, max_num_batched_tokens), 1000),
@@ -120,5 +130,7 @@ def summary(pod: str = "pod-0", duration_s: float = 60.0, block_size: int = 16, 
         prompt_tokens_per_s=100.0, generation_tokens_per_s=50.0,
         iteration_time=histogram([0.02] * requests, ITERATION_BUCKETS),
         ttft=histogram([ttft] * requests), itl=histogram([itl] * requests * 9),
-        e2e=histogram([0.4] * requests, REQUEST_BUCKETS))
+        e2e=histogram([0.4] * requests, REQUEST_BUCKETS),
+        prompt_lengths=histogram([per_request[0]] * requests, LENGTH_BUCKETS),
+        generation_lengths=histogram([per_request[1]] * requests, LENGTH_BUCKETS))
     return dataclasses.replace(base, **fields)

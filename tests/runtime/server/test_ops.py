@@ -80,9 +80,11 @@ def test_metrics_has_both_families_and_moves_as_requests_run(server: RunningServ
                  "kvpilot_swap_bytes_total{direction=in}", "kvpilot_swap_seconds_total{direction=out}",
                  "kvpilot_iteration_time_seconds_count",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count"]:
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count"]:
         assert name in before, name
     assert any(k.startswith("vllm:cache_config_info{block_size=16,cache_dtype=auto") for k in before)
+    assert any(k.startswith("kvpilot_live_config_info{block_size=16,") for k in before)
     assert before["kvpilot_block_size"] == 16 and before["kvpilot_preemption_mode{mode=recompute}"] == 1
 
     reply = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5)
@@ -93,6 +95,8 @@ def test_metrics_has_both_families_and_moves_as_requests_run(server: RunningServ
     assert after["vllm:request_success_total{finished_reason=length}"] \
         - before.get("vllm:request_success_total{finished_reason=length}", 0) == 1
     assert after["vllm:e2e_request_latency_seconds_count"] - before["vllm:e2e_request_latency_seconds_count"] == 1
+    assert after["vllm:request_generation_tokens_sum"] - before["vllm:request_generation_tokens_sum"] == 5
+    assert after["vllm:request_prompt_tokens_sum"] - before["vllm:request_prompt_tokens_sum"] == reply.usage.prompt_tokens
     assert after["kvpilot_iteration_time_seconds_count"] - before["kvpilot_iteration_time_seconds_count"] >= 5
 
 
