@@ -87,11 +87,13 @@ def test_the_autotuner_tries_a_canary_on_the_burst_and_is_back_on_16_after_it(
 
 # Short prompts that grow long answers in a KV budget of six blocks: four sequences admitted at one
 # block each outgrow it, so the burst thrashes (preemptions, KV usage near 1) while requests queue.
+# The calm after it outlasts the canary's timeout (3 s) by far however late in the drain the canary
+# starts: with 6 s, a loaded machine sometimes ended the run with the canary still undecided.
 BATCH_LIMIT_WORKLOAD = """\
 phases:
   - {name: calm, duration: 1, rate: 1, input_len: 8, output_len: 40}
   - {name: burst, duration: 0.5, rate: 48, input_len: 8, output_len: 40}
-  - {name: after, duration: 6, rate: 0.5, input_len: 8, output_len: 40}
+  - {name: after, duration: 15, rate: 0.5, input_len: 8, output_len: 40}
 """
 
 
