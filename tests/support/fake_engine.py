@@ -17,6 +17,7 @@ from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.sched.sequence import DEFAULT_TENANT, Request, SequenceStatus
+from kvpilot.runtime.tunables import LiveConfig
 
 NUM_TOKENS = 3
 TOKENS = {"hi": 1, "crash": 2, "explode": 3, "hold": 4, "die": 5, "fail": 6}
@@ -30,7 +31,9 @@ class FakeEngine:
         self.config = SimpleNamespace(
             cache=SimpleNamespace(block_size=16, enable_prefix_caching=False),
             scheduler=SimpleNamespace(preemption_mode="recompute"),
-            model=SimpleNamespace(max_model_len=64), device=SimpleNamespace(device="cpu"))
+            model=SimpleNamespace(max_model_len=64), device=SimpleNamespace(device="cpu"),
+            tunables=LiveConfig(block_size=16, preemption_mode="recompute", max_num_seqs=8,
+                                max_num_batched_tokens=2048))
         self.last_step = None
         self.vocab_size = 32
         self.num_steps = 0
