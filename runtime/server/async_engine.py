@@ -201,6 +201,11 @@ class AsyncEngine:
         self._reader = asyncio.create_task(self._read_loop())
         try:
             await self._ready
+        except BaseException:
+            # nothing may outlive a failed start: a context left with open sockets blocks in
+            # `term()` whenever the garbage collector reaches it, on whatever thread that is
+            await self.stop()
+            raise
         finally:
             self._ready = None
         logger.info("engine core ready (pid %d)", proc.pid)
