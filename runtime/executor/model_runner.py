@@ -72,9 +72,8 @@ class ModelRunner:
         self.device = torch.device(f"cuda:{self.tp.rank}" if device == "cuda" else device)
         self.dtype = resolve_dtype(config.model.dtype, device)
         self.model, self.model_config = load_model(config.model, str(self.device), self.tp, self.startup)
-        # under tensor parallelism every rank packs up front, alike (the other ranks run no warm-up)
-        self._pack_later = self.device.type == "cpu" and pack_after_ready and self.tp.size == 1
-        if self.device.type == "cpu" and not self._pack_later:
+        self._pack_later = self.device.type == "cpu" and pack_after_ready
+        if self.device.type == "cpu" and not pack_after_ready:
             with self.startup.phase("cpu_pack"), copy_threads(self.device):
                 # weights packed once for oneDNN (decode steps are bound by reading them; cpu_linear.py)
                 pack_linears(self.model, config.scheduler.max_num_seqs)
