@@ -141,41 +141,17 @@ def eos_token_ids(folder: str) -> set[int]:
     try:
         eos = json.loads((path / "tokenizer_config.json").read_text()).get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
-        text = (path / "tokenizer.json").read_text()
-        # the added tokens alone, where they come before the vocabulary (as HF writes the file):
-        # parsing the whole vocabulary is most of this function's time
-        found = None if eos is None else _added_token_id(text, eos)
-        fast = None if eos is None or found is not None else json.loads(text)
+        fast = json.loads((path / "tokenizer.json").read_text())
     except (OSError, ValueError):
         return Tokenizer(folder).eos_token_ids
     ids: set[int] = set()
     if eos is not None:
-        if fast is not None:
-            by_token = {t["content"]: t["id"] for t in fast.get("added_tokens", [])}
-            found = by_token.get(eos, (fast.get("model") or {}).get("vocab", {}).get(eos))
+        by_token = {t["content"]: t["id"] for t in fast.get("added_tokens", [])}
+        found = by_token.get(eos, (fast.get("model") or {}).get("vocab", {}).get(eos))
         if not isinstance(found, int):
             return Tokenizer(folder).eos_token_ids
         ids.add(found)
     return ids | Tokenizer.generation_eos_ids(path)
-
-
-def _added_token_id(text: str, token: str) -> int | None:
-    """`token`'s id among tokenizer.json's added tokens, parsing only that list; None where the
-    file does not list them before its model (then the caller parses all of it) or lacks it."""
-    key, model = text.find('"added_tokens"'), text.find('"model"')
-    if key < 0 or (0 <= model < key):
-        return None
-    start = text.find("[", key)
-    if start < 0 or text[key + len('"added_tokens"'):start].strip() != ":":
-        return None
-    added, _ = json.JSONDecoder().raw_decode(text, start)
-    if not isinstance(added, list):
-        return None
-    found = None
-    for entry in added:  # the last of equal entries, as the full parse's dict keeps
-        if isinstance(entry, dict) and entry.get("content") == token and isinstance(entry.get("id"), int):
-            found = entry["id"]
-    return found
 
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer | None:

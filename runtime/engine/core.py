@@ -15,7 +15,6 @@ loop raises (after sending `CoreDead` with the reason), or when the API process 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import time
@@ -125,8 +124,7 @@ def run_core(config: EngineConfig, input_addr: str, output_addr: str, max_queue_
                 read_ahead_folder(config.model.model)
             from kvpilot.runtime.engine.engine import LLMEngine
 
-            # the CPU's weight packing runs after Ready, between steps (warm_up.py)
-            engine_factory = functools.partial(LLMEngine, pack_after_ready=True)
+            engine_factory = LLMEngine
         from kvpilot.runtime.startup import starting_phase
 
         imports = starting_phase("core_imports", "core")

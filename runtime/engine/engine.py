@@ -131,7 +131,7 @@ def _fails_with_workers(method: Callable[Concatenate[LLMEngine, P], R]) -> Calla
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, pack_after_ready: bool = False) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self._start_config = config
         self._config_view: EngineConfig | None = None
         self._workers: Workers | None = None
@@ -142,7 +142,7 @@ class LLMEngine:
             with self.startup.phase("tp_workers", count=config.device.tensor_parallel_size - 1):
                 self._workers, tp = Workers.start(config)
         try:
-            self.runner = ModelRunner(config, tp, self.startup, pack_after_ready)
+            self.runner = ModelRunner(config, tp, self.startup)
         except BaseException as error:
             if self._workers is None:
                 raise
@@ -157,9 +157,9 @@ class LLMEngine:
         layout = self.runner.layout  # the owner of the block size and the block counts
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, layout.num_swap_blocks)
-        # what serving does not need yet: the swap space's host memory, the CPU's weight packing
-        # (`pack_after_ready`: `kvpilot serve`'s core), other block sizes' kernels and graphs, the switch pass
-        self.warm_up = WarmUp(itertools.chain(self.runner.pack_later(), self.runner.prepare_later()),
+        # what serving does not need yet: the swap space's host memory, other block sizes' kernels
+        # and graphs, the switch pass
+        self.warm_up = WarmUp(self.runner.prepare_later(),
                               lambda: warm_up_block_switches(self.scheduler, self.block_manager, self.runner),
                               idle_first=[("the swap space's host memory", self.runner.allocate_swap_host)])
         self.last_relayout: RelayoutReport | None = None

@@ -1,9 +1,7 @@
 """Start-up work that serving does not need before the engine is ready, done afterwards.
 
 An engine is ready to serve once its model, KV cache and the kernels and decode graphs of the block
-size it starts with are there. On the CPU, `kvpilot serve`'s engine core also packs the weights for
-oneDNN after it (executor/cpu_linear.py: one decoder layer a unit; the layers not packed yet
-multiply by their plain weights, slower). What a later live block-size change will want — the other allowed
+size it starts with are there. What a later live block-size change will want — the other allowed
 sizes' kernels and decode graphs (executor/model_runner.py's `prepare_later`) and one pass through
 every size by the live switch path (block_switch.py's `warm_up_block_switches`) — is done after
 it, one *unit* at a time between steps (a kernel probe or one decode graph: tens of milliseconds on

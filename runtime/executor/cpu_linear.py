@@ -11,13 +11,10 @@ differences near 4e-7 in fp32).
 method multiplies by (a plain weight itself, which the packed copy then replaces so memory does
 not grow; a quantized one de-quantized, beside the quantized parameters the CPU path emulates),
 and the output head a packed copy (beside the embedding table, when tied). It does nothing where
-oneDNN is unavailable. `packing_units` does the same one decoder layer at a time: `kvpilot serve`'s
-engine core packs after it is ready (engine/warm_up.py), serving with the plain weights meanwhile.
+oneDNN is unavailable.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -78,55 +75,20 @@ class PackedMethod(LinearMethod):
         return self.inner.dequantized_weight(layer)
 
 
-def can_pack(model: nn.Module) -> bool:
-    first = next(model.parameters())
-    return first.device.type == "cpu" and packing_available(first.dtype)
-
-
 def pack_linears(model: nn.Module, rows_hint: int) -> bool:
     """Pack the model's linear layers, in place; False when not possible."""
-    if not can_pack(model):
+    first = next(model.parameters())
+    if first.device.type != "cpu" or not packing_available(first.dtype):
         return False
-    for _ in packing_units(model, rows_hint):
-        pass
-    return True
-
-
-def packing_units(model: nn.Module, rows_hint: int) -> Iterator[str]:
-    """Pack the model's linear layers in place, one decoder layer per item, then the output head
-    (nothing where packing is not possible). A forward pass between items is right: each layer
-    multiplies by its plain weight until its packed copy replaces it, and a plain weight is freed
-    as soon as its copy exists, so memory grows by at most one layer's weights meanwhile."""
-    if not can_pack(model):
-        return
-    for i, group in enumerate([*getattr(model, "layers", []), model]):
-        if _pack_in(group, rows_hint):
-            yield f"oneDNN packing of layer {i}" if group is not model else "oneDNN packing of the other linears"
+    for layer in list(model.modules()):
+        if isinstance(layer, Linear) and not isinstance(layer.method, PackedMethod):
+            weight = layer.method.dequantized_weight(layer).to(layer.dtype)
+            layer.method = PackedMethod(layer.method, PackedLinear(weight, layer.bias, rows_hint))
+            if isinstance(layer.method.inner, UnquantizedMethod):
+                del layer.weight  # the packed copy is the only one the product reads
     lm_head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
     if isinstance(lm_head, nn.Linear):
         model.lm_head = PackedLinear(lm_head.weight, lm_head.bias, rows_hint)
     elif lm_head is None and isinstance(embed, nn.Embedding):
         model.lm_head = PackedLinear(embed.weight, None, rows_hint)  # tied embeddings
-    else:
-        return
-    yield "oneDNN packing of the output head"
-
-
-def fully_packed(model: nn.Module) -> bool:
-    """Every linear layer and the output head multiply by packed weights."""
-    return isinstance(getattr(model, "lm_head", None), PackedLinear) and all(
-        isinstance(m.method, PackedMethod) for m in model.modules() if isinstance(m, Linear))
-
-
-def _pack_in(module: nn.Module, rows_hint: int) -> int:
-    """Pack the linear layers under `module` not packed yet; how many."""
-    count = 0
-    for layer in list(module.modules()):
-        if isinstance(layer, Linear) and not isinstance(layer.method, PackedMethod):
-            weight = layer.method.dequantized_weight(layer).to(layer.dtype)
-            layer.method = PackedMethod(layer.method, PackedLinear(weight, layer.bias, rows_hint))
-            del weight
-            if isinstance(layer.method.inner, UnquantizedMethod):
-                del layer.weight  # the packed copy is the only one the product reads
-            count += 1
-    return count
+    return True

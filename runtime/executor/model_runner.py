@@ -23,7 +23,7 @@ from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.errors import RowsFailedError
 from kvpilot.runtime.executor import kv_cache, kv_scales
 from kvpilot.runtime.executor.batch import fill_pending, to_device, to_tensors
-from kvpilot.runtime.executor.cpu_linear import pack_linears, packing_units
+from kvpilot.runtime.executor.cpu_linear import pack_linears
 from kvpilot.runtime.executor.cuda_graphs import (
     MAX_CAPTURE_SIZE,
     DecodeGraphs,
@@ -61,10 +61,7 @@ def _triton_cache_entries() -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TPInfo | None = None, startup: StartupLog | None = None,
-                 pack_after_ready: bool = False) -> None:
-        """`pack_after_ready`: on the CPU, leave the weights' oneDNN packing to `pack_later`'s units
-        (`kvpilot serve`'s engine core runs them after Ready); otherwise they are packed here."""
+    def __init__(self, config: EngineConfig, tp: TPInfo | None = None, startup: StartupLog | None = None) -> None:
         self.config = config
         self.tp = tp or TPInfo()
         self.startup = startup or StartupLog("core")
@@ -72,8 +69,7 @@ class ModelRunner:
         self.device = torch.device(f"cuda:{self.tp.rank}" if device == "cuda" else device)
         self.dtype = resolve_dtype(config.model.dtype, device)
         self.model, self.model_config = load_model(config.model, str(self.device), self.tp, self.startup)
-        self._pack_later = self.device.type == "cpu" and pack_after_ready
-        if self.device.type == "cpu" and not pack_after_ready:
+        if self.device.type == "cpu":
             with self.startup.phase("cpu_pack"), copy_threads(self.device):
                 # weights packed once for oneDNN (decode steps are bound by reading them; cpu_linear.py)
                 pack_linears(self.model, config.scheduler.max_num_seqs)
@@ -165,20 +161,6 @@ class ModelRunner:
         comes first allocates it itself)."""
         assert self.swap_space is not None
         self.swap_space.allocate_host()
-
-    def pack_later(self) -> Iterator[str]:
-        """The CPU's oneDNN packing left for after Ready (`pack_after_ready`), one decoder layer per
-        unit (cpu_linear.py's `packing_units`): steps meanwhile multiply by the plain weights of
-        the layers not packed yet, the same product, slower."""
-        if not self._pack_later:
-            return
-        units = packing_units(self.model, self.config.scheduler.max_num_seqs)
-        while True:
-            with copy_threads(self.device):
-                unit = next(units, None)
-            if unit is None:
-                return
-            yield unit
 
     def prepare_later(self) -> Iterator[str]:
         """The start-up work that serving does not need yet, one unit per item: for each other

@@ -5,7 +5,6 @@ that keep a start from failing on a cache it cannot write or a CUDA probe that i
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 import time
@@ -151,18 +150,6 @@ def test_eos_ids_read_from_the_files_equal_the_loaded_tokenizers(smol_folder: st
     shutil.copytree(smol_folder, folder, ignore=shutil.ignore_patterns("*.safetensors"))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert eos_token_ids(str(folder)) == Tokenizer(str(folder)).eos_token_ids
-    # the model before the added tokens (read by the whole file's parse), and an eos token found
-    # only in the vocabulary
-    fast = json.loads((folder / "tokenizer.json").read_text())
-    vocab = fast["model"]["vocab"]
-    word = next(w for w, i in vocab.items() if i == 100)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    for eos in ("<|endoftext|>", word):
-        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": eos}))
-        for order in (fast, {"model": fast["model"], **{k: v for k, v in fast.items() if k != "model"}}):
-            (folder / "tokenizer.json").write_text(json.dumps(order))
-            assert eos_token_ids(str(folder)) == Tokenizer(str(folder)).eos_token_ids
-            assert (100 if eos == word else 0) in eos_token_ids(str(folder))
 
 
 def test_the_embedded_tokenizer_is_autotokenizers_without_importing_torch(smol_folder: str, tmp_path: Path) -> None:
@@ -218,67 +205,3 @@ def test_kvpilot_serve_imports_no_other_subcommand() -> None:
     usage = subprocess.run([sys.executable, "-m", "kvpilot.runtime.cli", "--help"], capture_output=True, text=True,
                            check=True, env={**os.environ, "PYTHONSAFEPATH": "1"}).stdout
     assert all(name in usage for name in ("serve", "bench", "operator", "generate"))
-
-
-@pytest.mark.parametrize("kind", ["llama", "tied-mha"])
-def test_cpu_weights_packed_after_ready_a_layer_a_unit_with_the_same_tokens_meanwhile(tiny_models, kind) -> None:
-    from tiny_models import hf_greedy
-
-    from kvpilot.runtime.args import EngineArgs
-    from kvpilot.runtime.engine.engine import LLMEngine
-    from kvpilot.runtime.executor.cpu_linear import (
-        PackedLinear,
-        PackedMethod,
-        fully_packed,
-        packing_available,
-    )
-    from kvpilot.runtime.executor.quant.base import Linear
-    from kvpilot.runtime.sampling_params import SamplingParams
-
-    if not packing_available(torch.float32):
-        pytest.skip("no oneDNN packing in this torch")
-    folder, hf = tiny_models[kind]
-    config = EngineArgs.from_kwargs(folder, dict(max_model_len=128, cpu_kv_cache_space=1 / 256, swap_space=1 / 1024,
-                                                 max_num_seqs=4)).create_engine_config()
-    up_front = LLMEngine(config)  # the offline LLM's: packed before it returns
-    assert fully_packed(up_front.runner.model) and "cpu_pack" in {p.name for p in up_front.startup.phases}
-    engine = LLMEngine(config, pack_after_ready=True)  # `kvpilot serve`'s core
-    model = engine.runner.model
-    assert "cpu_pack" not in {p.name for p in engine.startup.phases}
-    def packed() -> int:
-        return sum(isinstance(m.method, PackedMethod) for m in model.modules() if isinstance(m, Linear))
-
-    assert packed() == 0 and not isinstance(model.lm_head, PackedLinear)
-    rng = random.Random(3)
-    batch = [[rng.randrange(256) for _ in range(n)] for n in (5, 30, 70, 12)]
-    params = SamplingParams(temperature=0, max_tokens=20)
-    expected = [hf_greedy(hf, p, 20) for p in batch]
-    # requests that arrive before and during the packing: a unit after every step (a busy core's
-    # pace is slower; each unit is one layer, so steps run with some layers packed, some not)
-    done: dict[str, list[int]] = {}
-    engine.add_request("0", batch[0], params)
-    engine.add_request("1", batch[1], params)
-    partial = 0
-    steps = 0
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-        steps += 1
-        if steps == 2:
-            engine.add_request("2", batch[2], params)
-            engine.add_request("3", batch[3], params)
-        if engine.warm_up.pending:
-            engine.warm_up.run_one(idle=False)
-            partial += 0 < packed() < 4 * len(model.layers)
-    assert partial >= 1  # some steps ran with the model half packed
-    assert [done[str(i)] for i in range(len(batch))] == expected
-    engine.warm_up.finish()
-    assert fully_packed(model) and isinstance(model.lm_head, PackedLinear)
-    assert not any(hasattr(m, "weight") for m in model.modules() if isinstance(m, Linear))  # plain copies freed
-    for i, p in enumerate(batch):  # and once packed, the same tokens as the engine packed up front
-        engine.add_request(f"again-{i}", p, params)
-        up_front.add_request(f"again-{i}", p, params)
-    for e in (engine, up_front):
-        got: dict[str, list[int]] = {}
-        while e.has_unfinished_requests():
-            got.update({o.request_id: o.outputs[0].token_ids for o in e.step() if o.finished})
-        assert [got[f"again-{i}"] for i in range(len(batch))] == expected
