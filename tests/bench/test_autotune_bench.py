@@ -90,12 +90,13 @@ def test_the_autotuner_tries_a_canary_on_the_burst_and_proposes_16_again_after_i
 
 # Short prompts that grow long answers in a KV budget of six blocks: four sequences admitted at one
 # block each outgrow it, so the burst thrashes (preemptions, KV usage near 1) while requests queue.
-# The calm after it outlasts the canary's timeout (3 s) by far however late in the drain the canary
-# starts: with 6 s, a loaded machine sometimes ended the run with the canary still undecided.
+# The burst lasts 2 s (some 96 requests), so that the tuner's 0.5 s passes see the thrash however
+# fast the machine drains it (half a second's burst was sometimes over between two passes: no canary),
+# and the calm after it outlasts the canary's timeout (3 s) however late in the drain it starts.
 BATCH_LIMIT_WORKLOAD = """\
 phases:
   - {name: calm, duration: 1, rate: 1, input_len: 8, output_len: 40}
-  - {name: burst, duration: 0.5, rate: 48, input_len: 8, output_len: 40}
+  - {name: burst, duration: 2, rate: 48, input_len: 8, output_len: 40}
   - {name: after, duration: 15, rate: 0.5, input_len: 8, output_len: 40}
 """
 
