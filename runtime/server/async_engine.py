@@ -1,10 +1,10 @@
 """`AsyncEngine`: the asyncio front of the engine core, in the API process.
 
-`start()` spawns the engine core (engine/core.py) as its own process and waits until it has built its
-`LLMEngine`; from then on the event loop sends it commands (add, abort, utility calls) and one
-reader task receives its per-step messages, turns the token ids into `RequestOutput`s
-(output_processor.py: detokenizing, stop strings) and hands each to its request's *stream*, which
-keeps the latest. Prompts are tokenized here (off the event loop), so the core sees token ids only;
+`start()` spawns the engine core (engine/core.py) as its own process (core_process.py) and waits
+until it has built its `LLMEngine`; from then on the event loop sends it commands (add, abort,
+utility calls) and one reader task receives its per-step messages, turns the token ids into
+`RequestOutput`s (output_processor.py: detokenizing, stop strings) and hands each to its request's
+*stream* (streams.py), which keeps the latest. Prompts are tokenized here (off the event loop), so the core sees token ids only;
 the prompts of one HTTP request are admitted together, all or none.
 
 The core is *dead* when its step loop raises (it says why before exiting) or its process exits
@@ -20,18 +20,13 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine.core import run_core
 from kvpilot.runtime.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -40,7 +35,6 @@ from kvpilot.runtime.engine.messages import (
     CoreOutput,
     CoreOutputs,
     EngineSnapshot,
-    FinishSeqs,
     QueueFullError,
     Ready,
     Shutdown,
@@ -49,54 +43,18 @@ from kvpilot.runtime.engine.messages import (
     UtilityResult,
     error_of,
 )
-from kvpilot.runtime.errors import EngineDeadError, RequestError, RequestFailedError
+from kvpilot.runtime.errors import EngineDeadError, RequestError
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.sched.sequence import DEFAULT_TENANT
+from kvpilot.runtime.server.core_process import CoreProcess
 from kvpilot.runtime.server.output_processor import OutputProcessor
+from kvpilot.runtime.server.streams import RequestStream, deliver
 from kvpilot.runtime.tokenizer import Tokenizer, encode_prompt
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineSnapshot", "QueueFullError", "RequestStream", "StepHook"]
-
-
-class RequestStream:
-    """The outputs of one request, in order, ending after the finished one or an error. Outputs
-    are cumulative, so only the latest unread one is kept (as vLLM's output collector does): a
-    client that reads slowly holds one output, not a queue of them."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.finished = False
-        self._output: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, output: RequestOutput) -> None:
-        self._output = output  # replaces one not read yet: it holds everything that one did
-        self._ready.set()
-
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._ready.set()
-
-    async def get(self) -> RequestOutput:
-        """The latest output not read yet (waiting for one); raises the stream's error."""
-        await self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        output, self._output = self._output, None
-        self._ready.clear()
-        assert output is not None
-        return output
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while True:
-            output = await self.get()
-            yield output
-            if output.finished:
-                return
 
 
 # Called on the event loop for every message from the core: the outputs it produced, the core's
@@ -106,7 +64,6 @@ StepHook = Callable[[list[RequestOutput], EngineSnapshot, StepStatsMsg | None, C
 # how long after the core's process exits unasked to wait for its last words (CoreDead) before
 # failing everything with the exit code alone
 _DEATH_GRACE_S = 0.1
-_STOP_TIMEOUT_S = 30.0
 
 
 def _params_fields(params: SamplingParams) -> dict[str, Any]:
@@ -137,11 +94,7 @@ class AsyncEngine:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreOutput)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._proc: multiprocessing.process.BaseProcess | None = None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._input: zmq.asyncio.Socket | None = None
-        self._output: zmq.asyncio.Socket | None = None
-        self._ipc_dir: str | None = None
+        self._core: CoreProcess | None = None
         self._reader: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[None] | None = None
         self._stopping = False
@@ -154,27 +107,17 @@ class AsyncEngine:
         calls this first, so the core imports torch and builds its engine while this process
         imports the server and loads the tokenizer. The core connects to sockets that `start()`
         binds later (ZeroMQ queues its messages until then)."""
-        if self._proc is not None:
+        if self._core is not None:
             return
-        self._ipc_dir = tempfile.mkdtemp(prefix="kvpilot-core-")
-        # not a daemon: the core starts its own processes for tensor parallelism
-        proc = self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_core, name="kvpilot-engine-core", daemon=False,
-            args=(self.config, f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output", self.max_queue_len,
-                  self.engine_factory, logging.getLogger("kvpilot").getEffectiveLevel()))
-        proc.start()
-        self.core_pid = proc.pid
+        self._core = CoreProcess(self.config, self.max_queue_len, self.engine_factory)
+        self.core_pid = self._core.proc.pid
 
     def abandon(self) -> None:
         """Kill a core that `spawn()` started and `start()` never waited for (the server failed to
         come up): multiprocessing would otherwise wait for it at exit."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            proc.kill()
-            proc.join()
-        if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
-            self._ipc_dir = None
+        core, self._core = self._core, None
+        if core is not None:
+            core.kill()
 
     def attach_tokenizer(self, tokenizer: Tokenizer | None) -> None:
         """The tokenizer, loaded after `spawn()` (it takes seconds that the core's start overlaps)."""
@@ -187,16 +130,10 @@ class AsyncEngine:
         self.error = None
         self._stopping = False
         self.spawn()
-        ctx = self._ctx = zmq.asyncio.Context()
-        self._input = ctx.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(f"ipc://{self._ipc_dir}/input")
-        self._output = ctx.socket(zmq.PULL)
-        self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(f"ipc://{self._ipc_dir}/output")
+        assert self._core is not None
+        self._core.bind()
         self._ready = loop.create_future()
-        proc = self._proc
-        assert proc is not None
+        proc = self._core.proc
         loop.add_reader(proc.sentinel, self._on_core_exit, proc)
         self._reader = asyncio.create_task(self._read_loop())
         try:
@@ -212,30 +149,18 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         """Stop the core (it frees its device memory and tensor-parallel workers) and close."""
-        proc = self._proc
-        if proc is None:
+        core = self._core
+        if core is None:
             return
         self._stopping = True
         assert self._loop is not None
-        self._loop.remove_reader(proc.sentinel)
-        if proc.is_alive() and self._input is not None:
-            self._send(Shutdown())
-            await self._loop.run_in_executor(None, proc.join, _STOP_TIMEOUT_S)
-            if proc.is_alive():
-                logger.warning("the engine core did not stop in %.0f s: killing it", _STOP_TIMEOUT_S)
-                proc.kill()
-                await self._loop.run_in_executor(None, proc.join)
+        self._loop.remove_reader(core.proc.sentinel)
+        await core.join(self._loop, self._encoder.encode(Shutdown()))
         if self._reader is not None:
             self._reader.cancel()
             self._reader = None
-        for sock in (self._input, self._output):
-            if sock is not None:
-                sock.close(linger=0)
-        if self._ctx is not None:
-            self._ctx.term()
-        if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
-        self._proc = self._ctx = self._input = self._output = self._ipc_dir = None
+        core.close()
+        self._core = None
 
     async def reload(self, config: EngineConfig, tokenizer: Tokenizer | None) -> None:
         """Replace the core by one built from `config`, while no request is in flight. The old core
@@ -259,6 +184,10 @@ class AsyncEngine:
     def _use(self, config: EngineConfig, tokenizer: Tokenizer | None) -> None:
         self.config, self.tokenizer = config, tokenizer
         self._processor = OutputProcessor(tokenizer)
+
+    @property
+    def _proc(self) -> multiprocessing.process.BaseProcess | None:
+        return self._core.proc if self._core is not None else None
 
     @property
     def is_alive(self) -> bool:
@@ -324,7 +253,7 @@ class AsyncEngine:
         """Stop a request; the core frees its blocks before its next step."""
         if self._streams.pop(request_id, None) is not None:
             self._processor.remove(request_id)
-            if self.error is None and self._input is not None:
+            if self.error is None and self._core is not None and self._core.input is not None:
                 self._send(AbortRequests([request_id]))
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -381,14 +310,15 @@ class AsyncEngine:
         self._send_encoded(self._encoder.encode(msg))
 
     def _send_encoded(self, message: bytes) -> None:
-        assert self._input is not None
-        self._input.send(message, copy=False)
+        assert self._core is not None
+        self._core.send(message)
 
     async def _read_loop(self) -> None:
-        assert self._output is not None
+        assert self._core is not None and self._core.output is not None
+        output = self._core.output
         try:
             while True:
-                msg = self._decoder.decode(await self._output.recv())
+                msg = self._decoder.decode(await output.recv())
                 if isinstance(msg, CoreOutputs):
                     self._on_outputs(msg)
                 elif isinstance(msg, UtilityResult):
@@ -423,27 +353,7 @@ class AsyncEngine:
                 future.set_result(None)
             else:
                 future.set_exception(error_of(ack.error, ack.message))
-        outputs: list[RequestOutput] = []
-        for delta in msg.outputs:
-            stream = self._streams.get(delta.request_id)
-            if stream is None:  # aborted meanwhile
-                continue
-            out, stopped = self._processor.process(delta)
-            if out is None:
-                continue
-            if delta.error is not None:  # the core ended this request alone
-                stream.fail(RequestFailedError(f"the engine failed this request: {delta.error}"))
-                del self._streams[delta.request_id]
-                continue
-            if stopped and not out.finished:
-                self._send(FinishSeqs(delta.request_id, stopped))
-            elif out.finished and not delta.finished:
-                self._send(AbortRequests([delta.request_id]))  # ended here at a stop string
-            outputs.append(out)
-            stream.put(out)
-            if out.finished:
-                stream.finished = True
-                del self._streams[delta.request_id]
+        outputs = deliver(msg.outputs, self._streams, self._processor, self._send)
         self.snapshot = msg.snapshot
         self._publish(outputs, msg.stats)
 
