@@ -12,11 +12,12 @@ autotuner) both read this table. Plain Python only: the operator imports it with
 | `scheduler_policy` | `--scheduler-policy` | `schedulerPolicy` | fcfs, fair, priority | fcfs |
 
 From `TUNABLES` come the flags of `kvpilot serve` and `kvpilot generate` (spelling, rule, default,
-help), the names `check_changes` accepts, the engine core's snapshot and the labels of
-`kvpilot_live_config_info` (both a `LiveConfig`), the operator's `EngineSpec` fields, its flags for
+help), the names `check_changes` accepts, the engine core's snapshot (a `LiveConfig`) and so the
+labels of `kvpilot_live_config_info`, the operator's `EngineSpec` fields, its flags for
 the pods and status.engine, and the CRD's properties for them (`make crds` writes them into crds/
 and the chart's copy; a test fails while they differ).
-Adding a tunable takes two edits (tests/runtime/test_tunables.py fails until both are done):
+Adding a tunable takes two edits (tests/runtime/test_tunables.py fails until both are done, and
+tests/runtime/test_new_tunable.py makes both to a copy of the sources to show the rest follows):
 1. here: its `Tunable` in `TUNABLES`, its `LiveConfig` and `TunableArgs` fields, its row in the
    table above; then `make crds`;
 2. its holder in the engine: a `SchedulerConfig` field of the same name listed in
