@@ -46,7 +46,8 @@ from kvpilot.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine is built in the core process only: its module imports torch
     from kvpilot.runtime.config import EngineConfig
-    from kvpilot.runtime.engine.engine import LLMEngine, StepStats
+    from kvpilot.runtime.engine.engine import LLMEngine
+    from kvpilot.runtime.engine.step_stats import StepStats
     from kvpilot.runtime.engine.warm_up import WarmUp
     from kvpilot.runtime.sched.sequence import Request
 

@@ -26,22 +26,20 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from typing import Concatenate, ParamSpec, TypeVar
 
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import logprobs
+from kvpilot.runtime.engine import isolation
 from kvpilot.runtime.engine.block_switch import (
     RelayoutReport,
     change_block_size,
     warm_up_block_switches,
 )
-from kvpilot.runtime.engine.step_inputs import build_step_inputs, rewind
+from kvpilot.runtime.engine.postprocess import Launched, Resolved, postprocess, reads_token_history
+from kvpilot.runtime.engine.step_stats import StepStats, step_stats
 from kvpilot.runtime.engine.warm_up import WarmUp
-from kvpilot.runtime.errors import RequestError, RowsFailedError
-from kvpilot.runtime.executor.inputs import StepInputs
+from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.executor.model_runner import ModelRunner
-from kvpilot.runtime.executor.sampler import DevicePromptLogprobs, DeviceSample, SampleResult
 from kvpilot.runtime.executor.worker import Workers
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
@@ -52,7 +50,6 @@ from kvpilot.runtime.sched.sequence import (
     DEFAULT_TENANT,
     Request,
     Sequence,
-    check_stop,
     reaches_length,
     request_output,
 )
@@ -61,49 +58,6 @@ from kvpilot.runtime.tokenizer import Tokenizer, check_prompt, encode_prompt, eo
 from kvpilot.runtime.tunables import check_changes
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepStats:
-    """What one `step()` call did, for metrics and logs: what it scheduled (tokens, preemptions,
-    copies) and the tokens it delivered (with async scheduling, the step before's)."""
-
-    duration_s: float
-    num_batched_tokens: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_preemptions: int
-    num_swapped_out: int = 0  # of the preemptions, those swapped to host memory
-    swap_out_bytes: int = 0
-    swap_in_bytes: int = 0
-    # seconds the copies took on the device, counted when they complete (they overlap the steps)
-    swap_out_seconds: float = 0.0
-    swap_in_seconds: float = 0.0
-    served_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # tenant -> [prompt, generated]
-
-
-@dataclass
-class _Launched:
-    """A step queued on the device whose sampled tokens the host has not seen yet."""
-
-    sched: SchedulerOutput
-    sampled: DeviceSample | None  # None: nothing sampled
-    prompt: DevicePromptLogprobs | None = None  # prompt logprobs: the owners' rows, in order
-    prompt_owners: list[tuple[Request, int]] = dataclasses.field(default_factory=list)
-
-
-@dataclass
-class _Resolved:
-    """What postprocessing one or more steps gave: their outputs and the tokens they delivered."""
-
-    outputs: list[RequestOutput] = dataclasses.field(default_factory=list)
-    num_prompt_tokens: int = 0  # prompts of the sequences that got their first token
-    num_generation_tokens: int = 0
-
-    def add(self, other: _Resolved) -> None:
-        self.outputs += other.outputs
-        self.num_prompt_tokens += other.num_prompt_tokens
-        self.num_generation_tokens += other.num_generation_tokens
 
 
 P = ParamSpec("P")
@@ -174,8 +128,8 @@ class LLMEngine:
         # resolved from the config; switching it between steps is safe (a step in flight is then
         # postprocessed by the next `step()`), which lets a benchmark compare both in one engine
         self.async_scheduling = config.async_scheduling
-        self._in_flight: _Launched | None = None  # async scheduling: the step the device runs
-        self._drained = _Resolved()  # a step postprocessed between steps: out with the next `step()`
+        self._in_flight: Launched | None = None  # async scheduling: the step the device runs
+        self._drained = Resolved()  # a step postprocessed between steps: out with the next `step()`
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %.2f GiB)", layout.num_blocks,
                     layout.block_size, layout.capacity_tokens, layout.dtype, layout.num_blocks * layout.bytes_per_block / (1 << 30))
 
@@ -312,27 +266,29 @@ class LLMEngine:
         async scheduling the outputs are those of the step before, which the device ran while this
         one was scheduled and queued."""
         start = time.perf_counter()
-        sched = self._schedule()
+        sched = isolation.schedule(self.scheduler, self.requests.values(), self._fail_request)
         # every step, even without copies: the runner orders copies in flight by these calls
         self.runner.swap_blocks(sched.swap_out, sched.swap_in)
-        done, self._drained = self._drained, _Resolved()
+        done, self._drained = self._drained, Resolved()
         launched = self._launch(sched, done, finished_only) if not sched.is_empty else None
         done.add(self._postprocess_due(launched, finished_only))
-        self.last_step = self._stats(sched, done, start)
+        self.last_step = step_stats(sched, done, self.runner, start)
         return done.outputs
 
-    def _launch(self, sched: SchedulerOutput, done: _Resolved, finished_only: bool) -> _Launched | None:
+    def _launch(self, sched: SchedulerOutput, done: Resolved, finished_only: bool) -> Launched | None:
         """Queue the step on the device, then move the host's view on as if it had run: the
         scheduled tokens count as computed and each sampled token as pending, so the next step can
         be scheduled before this one's tokens are known. None if every request in it failed."""
-        inputs = self._build_inputs(sched)
+        inputs = isolation.build_inputs(sched, self.runner.block_size, self.eos_token_ids, self._finished_seq_ids,
+                                        self._fail_request)
         if inputs is None:
             return None
-        if self._in_flight is not None and _reads_token_history(inputs):
+        if self._in_flight is not None and reads_token_history(inputs):
             # sampling reads the tokens so far: the step in flight is postprocessed first
             launched, self._in_flight = self._in_flight, None
             done.add(self._postprocess(launched, finished_only))
-        queued = self._queue_on_device(sched, inputs)
+        queued = isolation.queue_on_device(self.runner, sched, inputs, self.eos_token_ids, self._finished_seq_ids,
+                                           self._fail_request)
         if queued is None:
             return None
         (sampled, prompt), inputs = queued
@@ -355,79 +311,13 @@ class LLMEngine:
                 sample_index += 1
                 seq.ends_when_resolved = reaches_length(seq, seq.num_tokens, max_len)
         owners = [(self.requests[request_id], count) for request_id, count in inputs.prompt_logprob_owners]
-        return _Launched(sched, sampled, prompt, owners)
+        return Launched(sched, sampled, prompt, owners)
 
-    def _schedule(self) -> SchedulerOutput:
-        """`scheduler.schedule()`. If it raises, the requests whose own values make scheduling raise
-        (`Scheduler.check`) end alone and the step is scheduled again without them; an error that no
-        request explains ends the core, as before. Nothing is probed while scheduling succeeds."""
-        try:
-            return self.scheduler.schedule()
-        except Exception:
-            seqs = [seq for request in self.requests.values() for seq in request.seqs if not seq.is_finished]
-            if not self._fail_culprits(seqs, self.scheduler.check):
-                raise
-        return self.scheduler.schedule()
-
-    def _build_inputs(self, sched: SchedulerOutput) -> StepInputs | None:
-        """The step's inputs; as `_schedule`, a scheduled sequence whose own values make building
-        them raise (each is tried alone) ends its request, and the rest are built again. None if no
-        sequence is left."""
-        block_size, eos = self.runner.block_size, self.eos_token_ids
-        try:
-            inputs = build_step_inputs(sched.scheduled, block_size, eos, self._finished_seq_ids)
-        except Exception:
-            by_seq = {s.seq: s for s in sched.scheduled}
-
-            def alone(seq: Sequence) -> None:
-                rewind(build_step_inputs([by_seq[seq]], block_size, eos, []), [by_seq[seq]])
-
-            if not self._fail_culprits(list(by_seq), alone):
-                raise
-            sched.scheduled = [s for s in sched.scheduled if s.seq.request.error is None]
-            if not sched.scheduled:
-                return None
-            inputs = build_step_inputs(sched.scheduled, block_size, eos, self._finished_seq_ids)
-        self._finished_seq_ids = []
-        return inputs
-
-    def _fail_culprits(self, seqs: list[Sequence], trial: Callable[[Sequence], None]) -> bool:
-        """End alone each request one of whose `seqs` makes `trial` raise; whether any did."""
-        failed = False
-        for seq in seqs:
-            if seq.request.error is not None:
-                continue
-            try:
-                trial(seq)
-            except Exception as error:  # noqa: BLE001 - its own values: it alone fails
-                self._fail_request(seq.request, f"scheduling failed: {type(error).__name__}: {error}")
-                failed = True
-        return failed
-
-    def _queue_on_device(self, sched: SchedulerOutput, inputs: StepInputs) -> tuple[
-            tuple[DeviceSample | None, DevicePromptLogprobs | None], StepInputs] | None:
-        """`runner.launch(inputs)` and the inputs it ran. A request whose sampling fails ends alone
-        (`RowsFailedError`): the step is queued again without it; None if no request is left."""
-        while True:
-            try:
-                return self.runner.launch(inputs), inputs
-            except RowsFailedError as failed:
-                rewind(inputs, sched.scheduled)
-                seqs = {s.seq.seq_id: s.seq for s in sched.scheduled}
-                for seq_id, message in failed.errors.items():
-                    self._fail_request(seqs[seq_id].request, f"sampling failed: {message}")
-                sched.scheduled = [s for s in sched.scheduled if s.seq.request.error is None]
-                if not sched.scheduled:
-                    return None
-                inputs = build_step_inputs(sched.scheduled, self.runner.block_size, self.eos_token_ids,
-                                           inputs.finished_seq_ids + self._finished_seq_ids)
-                self._finished_seq_ids = []
-
-    def _postprocess_due(self, launched: _Launched | None, finished_only: bool) -> _Resolved:
+    def _postprocess_due(self, launched: Launched | None, finished_only: bool) -> Resolved:
         """Postprocess the steps whose tokens are due: the one in flight before this step (async
         scheduling: the device ran it while this one was prepared), and this one unless async
         scheduling leaves it in flight until the next `step()`."""
-        done = _Resolved()
+        done = Resolved()
         previous, self._in_flight = self._in_flight, None
         if previous is not None:
             done.add(self._postprocess(previous, finished_only))
@@ -437,27 +327,6 @@ class LLMEngine:
             else:
                 done.add(self._postprocess(launched, finished_only))
         return done
-
-    def _stats(self, sched: SchedulerOutput, done: _Resolved, start: float) -> StepStats | None:
-        """What the step did; None for a step that did nothing."""
-        if (sched.is_empty and not sched.preempted and not sched.swap_in and not done.num_generation_tokens
-                and not done.outputs):
-            return None
-        block_bytes = self.runner.bytes_per_block
-        swap = self.runner.take_swap_stats()
-        return StepStats(
-            duration_s=time.perf_counter() - start,
-            num_batched_tokens=sched.num_batched_tokens,
-            num_prompt_tokens=done.num_prompt_tokens,
-            num_generation_tokens=done.num_generation_tokens,
-            num_preemptions=len(sched.preempted),
-            num_swapped_out=sched.num_swapped_out,
-            swap_out_bytes=len(sched.swap_out) * block_bytes,
-            swap_in_bytes=len(sched.swap_in) * block_bytes,
-            swap_out_seconds=swap.seconds_out,
-            swap_in_seconds=swap.seconds_in,
-            served_tokens=sched.served_tokens,
-        )
 
     def _fail_request(self, request: Request, message: str) -> None:
         """End `request` alone on an error raised by its own values; its output (finish reason
@@ -480,76 +349,13 @@ class LLMEngine:
             launched, self._in_flight = self._in_flight, None
             self._drained.add(self._postprocess(launched))
 
-    def _postprocess(self, launched: _Launched, finished_only: bool = False) -> _Resolved:
-        """Append what the step sampled (waiting for it) to its sequences, detokenize and apply stop
-        conditions; the outputs of the requests touched (or finished). A sequence that ended
-        meanwhile (an earlier step's token, an abort) drops its token."""
-        result = launched.sampled.result() if launched.sampled is not None else SampleResult([], [])
-        if launched.prompt is not None:
-            logprobs.record_prompt(launched.prompt.result(), launched.prompt_owners,
-                                   lambda r: self.requests.get(r.request_id) is r, self._decode)
-        now = time.time()
-        touched: dict[str, Request] = {}
-        token_ids, rows = result.token_ids, result.logprobs
-        tokenizer = self.tokenizer if self.detokenize else None
-        max_len = self.config.model.max_model_len
-        sample_index = num_prompt_tokens = num_generated = 0
-        for s in launched.sched.scheduled:
-            if not s.samples:
-                continue
-            seq = s.seq
-            i = sample_index
-            sample_index += 1
-            if seq.is_finished:
-                continue
-            num_generated += 1
-            token = token_ids[i]
-            lp = rows[i]
-            seq.num_pending_tokens -= 1
-            seq.token_ids.append(token)
-            if len(seq.token_ids) - seq.num_prompt_tokens == 1:
-                num_prompt_tokens += seq.num_prompt_tokens
-            try:  # what a request's own values can break fails that request alone
-                if lp is not None:
-                    logprobs.record_sample(seq, token, lp, self._decode)
-                new_text = tokenizer.detokenize_step(seq) if tokenizer is not None else ""
-                check_stop(seq, token, len(new_text), self.eos_token_ids, max_len)
-            except Exception as error:  # noqa: BLE001
-                self._fail_request(seq.request, f"postprocessing failed: {type(error).__name__}: {error}")
-                continue
-            metrics = seq.request.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
-            if seq.finish_reason is not None:
-                self._finish(seq)
-            touched[seq.request.request_id] = seq.request
-        outputs = []
-        for request in touched.values():
-            if request.error is not None:  # its output is out already
-                continue
-            if request.is_finished:
-                request.metrics.finished_time = now
-                self.requests.pop(request.request_id, None)
-            elif finished_only:
-                continue
-            outputs.append(self.make_output(request))
-        return _Resolved(outputs, num_prompt_tokens, num_generated)
-
-    @property
-    def _decode(self) -> logprobs.Decode:
-        """A token's text for logprob entries; none where this engine does not detokenize."""
-        return self.tokenizer.convert_id if self.detokenize and self.tokenizer else logprobs.no_text
+    def _postprocess(self, launched: Launched, finished_only: bool = False) -> Resolved:
+        """`postprocess` the step (postprocess.py) against this engine's requests."""
+        return postprocess(launched, self.requests, tokenizer=self.tokenizer if self.detokenize else None,
+                           eos_token_ids=self.eos_token_ids, max_model_len=self.config.model.max_model_len,
+                           finish=self._finish, fail=self._fail_request, make_output=self.make_output,
+                           finished_only=finished_only)
 
     # the engine core replaces it on its engine (core.py): it reads the requests themselves
     make_output = staticmethod(request_output)
 
-
-def _reads_token_history(inputs: StepInputs) -> bool:
-    """Whether sampling the step reads its sequences' tokens on the host (penalties, min_tokens),
-    so every token of the step before must be known first."""
-    for row in inputs.sampling_rows:
-        p = row.params
-        if p.needs_penalties or p.min_tokens:
-            return True
-    return False
