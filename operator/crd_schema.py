@@ -31,8 +31,7 @@ _TYPES = {int: "integer", str: "string"}
 
 def spec_property(t: Tunable) -> dict[str, Any]:
     """spec.engine's field: the flag's words, the contract's rule and default."""
-    values = ", ".join(map(str, t.choices)) if t.choices else f"{t.minimum} to {t.maximum}"
-    description = f"{t.flag}, {t.help}. {'One of ' if t.choices else ''}{values}."
+    description = f"{t.flag}, {t.help}. {t.rule[:1].upper()}{t.rule[1:]}."
     prop: dict[str, Any] = {"type": _TYPES[t.kind], "description": description}
     if t.choices is not None:
         prop["enum"] = list(t.choices)
