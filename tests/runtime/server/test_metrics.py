@@ -39,9 +39,9 @@ def live_config_info(metrics: ServerMetrics) -> list[dict[str, str]]:
 def test_live_config_info_labels_every_live_tunable_by_its_name_and_follows_a_change() -> None:
     metrics = ServerMetrics("m")
     metrics.record([], EngineSnapshot(num_blocks=100, live=LIVE), None)
-    assert live_config_info(metrics) == [{"model_name": "m", "block_size": "16", "preemption_mode": "recompute",
-                                          "max_num_seqs": "64", "max_num_batched_tokens": "2048",
-                                          "scheduler_policy": "fcfs"}]
+    (info,) = live_config_info(metrics)
+    assert info == {"model_name": "m", **{t.name: str(getattr(LIVE, t.name)) for t in TUNABLES}}
+    assert (info["block_size"], info["preemption_mode"], info["max_num_batched_tokens"]) == ("16", "recompute", "2048")
     metrics.record([], EngineSnapshot(num_blocks=100, live=dataclasses.replace(LIVE, max_num_seqs=128, scheduler_policy="fair")),
                    None)
     (info,) = live_config_info(metrics)  # the old series is gone: one config in force
