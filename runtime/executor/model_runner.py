@@ -1,7 +1,7 @@
 """The only part of the engine that touches tensors: owns the model and the KV cache, turns a
 step's inputs (plain lists the engine builds: inputs.py) into tensors (batch.py), runs the forward
 pass and samples. It knows nothing of the scheduler's sequences; the random generators of seeded
-sequences live here, keyed by sequence id.
+sequences live in its `SeededSampler` (sampler.py), keyed by sequence id.
 
 Under tensor parallelism every rank has a runner over its slice of the model and KV cache; rank
 0's `launch` broadcasts the step's inputs and the other ranks' `follow` loop runs them.
@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Iterator
 
 import torch
 
 from kvpilot.kernels import ops as kernel_ops
-from kvpilot.kernels.reference import ReferenceOps
 from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.errors import RowsFailedError
-from kvpilot.runtime.executor import kv_cache, kv_scales
+from kvpilot.runtime.executor import kv_cache, probes
 from kvpilot.runtime.executor.batch import fill_pending, to_device, to_tensors
 from kvpilot.runtime.executor.cpu_linear import pack_linears
 from kvpilot.runtime.executor.cuda_graphs import (
@@ -30,7 +27,7 @@ from kvpilot.runtime.executor.cuda_graphs import (
     GraphsBySize,
     model_forward,
 )
-from kvpilot.runtime.executor.inputs import SamplingRow, StepInputs
+from kvpilot.runtime.executor.inputs import StepInputs
 from kvpilot.runtime.executor.kv_cache import KVCacheLayout
 from kvpilot.runtime.executor.loader import copy_threads, load_model, resolve_dtype
 from kvpilot.runtime.executor.models.llama import cos_sin_cache
@@ -38,7 +35,7 @@ from kvpilot.runtime.executor.parallel import TPInfo
 from kvpilot.runtime.executor.sampler import (
     DevicePromptLogprobs,
     DeviceSample,
-    sample_on_device,
+    SeededSampler,
     score_prompt,
 )
 from kvpilot.runtime.executor.swap import MAX_STAGING_BYTES, SwapSpace, SwapStats
@@ -48,16 +45,6 @@ from kvpilot.runtime.tunables import BLOCK_SIZES
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
-
-
-def _triton_cache_entries() -> int:
-    """Kernels in Triton's on-disk cache (one folder each): how many a phase compiled rather than
-    loaded, for the start-up record."""
-    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
-    try:
-        return len(os.listdir(folder))
-    except OSError:
-        return 0
 
 
 class ModelRunner:
@@ -89,18 +76,21 @@ class ModelRunner:
         self.layout = dataclasses.replace(  # --swap-space GiB, per rank under tensor parallelism
             self.layout, swap_capacity_tokens=int(config.cache.swap_space_gib * GiB) // self.layout.bytes_per_token)
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists
-        # the largest step the device memory was sized for (CUDA: a larger one could run out of
-        # it); None where nothing was profiled
-        self.profiled_step_tokens: int | None = None
         self.swap_space: SwapSpace | None = None  # made once the KV cache exists
         self.kv_scales_source: str | None = None  # where an FP8 cache's scales came from
         if self.layout.dtype != self.dtype:  # FP8: the scales before any step writes the cache
             with self.startup.phase("kv_scales") as settled:
-                self.kv_scales_source = settled["source"] = self._settle_kv_scales()
+                self.kv_scales_source = settled["source"] = probes.settle_kv_scales(
+                    self.model, config, dataclasses.replace(self.layout, dtype=self.dtype),
+                    self.model_config.vocab_size, self._probe_live)
         with self.startup.phase("kv_profile") as profiled:  # a worst-case forward pass on CUDA (its first)
-            cached = _triton_cache_entries()
-            num_blocks = self.tp.min_int(self._num_kv_blocks(), self.device)  # ranks must agree
-            profiled.update(num_blocks=num_blocks, kernels_compiled=_triton_cache_entries() - cached)
+            cached = probes.triton_cache_entries()
+            # profiled_step_tokens: the largest step the device memory was sized for (CUDA: a larger
+            # one could run out of it); None where nothing was profiled
+            num_blocks, self.profiled_step_tokens = probes.num_kv_blocks(config, self.layout, self.device,
+                                                                         self._probe_live)
+            num_blocks = self.tp.min_int(num_blocks, self.device)  # ranks must agree
+            profiled.update(num_blocks=num_blocks, kernels_compiled=probes.triton_cache_entries() - cached)
         self.layout = dataclasses.replace(self.layout, num_blocks=num_blocks, capacity_tokens=num_blocks * self.block_size)
         with self.startup.phase("kv_alloc", bytes=num_blocks * self.bytes_per_block):
             # one allocation for the runner's life: a block-size change re-cuts it in place (kv_cache.py)
@@ -118,7 +108,7 @@ class ModelRunner:
         # with it (`fit_decode_graphs`); the runner reads no live tunable from `config`
         self._decode_batch = config.scheduler.max_num_seqs
         self._compiled: set[int] = set()  # block sizes whose kernel variants are compiled
-        self._generators: dict[int, torch.Generator] = {}  # seeded sequences' own random streams
+        self.sampler = SeededSampler(self.device)  # holds seeded sequences' own random streams
         self._sampled: torch.Tensor | None = None  # the latest step's sampled tokens, on the device
         self._prepare_start()
 
@@ -146,10 +136,10 @@ class ModelRunner:
             return
         sizes = self.allowed_block_sizes if self.tp.size > 1 else [self.block_size]
         with self.startup.phase("kernels", block_sizes=sizes) as compiled:
-            cached = _triton_cache_entries()
+            cached = probes.triton_cache_entries()
             for size in sizes:
                 self._compile_kernels(size)
-            compiled["kernels_compiled"] = _triton_cache_entries() - cached
+            compiled["kernels_compiled"] = probes.triton_cache_entries() - cached
         if self._uses_graphs:
             with self.startup.phase("graphs") as captured:
                 self.graphs = self._graphs_for(self.block_size)
@@ -202,33 +192,15 @@ class ModelRunner:
         return self._graph_sets.block_sizes
 
     def _compile_kernels(self, block_size: int) -> None:
-        """Run one mixed step (a prefill of a few blocks beside a one-token decode) on a cut of
-        `block_size`, then one-token steps with block tables wide enough for each split variant of
-        the decode path (kernels/paged_attention: `split_probe_widths`), so that every Triton kernel
-        variant a step of this size can launch is compiled now rather than in some step mid-run
-        (seconds of stalled decoding: the kernels leave the integer arguments that vary from step
-        to step unspecialised, so shapes no longer pick variants). No step writes the cache (every
-        slot is -1): this also runs while sequences hold blocks."""
+        """Run `probes.kernel_probes` on a cut of `block_size`, so that every Triton kernel variant
+        a step of this size can launch is compiled now rather than in some step mid-run (seconds of
+        stalled decoding: the kernels leave the integer arguments that vary from step to step
+        unspecialised, so shapes no longer pick variants). No step writes the cache: this also runs
+        while sequences hold blocks."""
         self._compiled.add(block_size)
-        bs = block_size
-        prefill, context = 2 * bs + 3, bs + 2
-        first = list(range(-(-prefill // bs)))
-        second = list(range(len(first), len(first) + -(-context // bs)))
-        if second[-1] >= self.layout.with_block_size(bs).num_blocks:
-            return
-        probe = StepInputs(input_ids=[0] * (prefill + 1), positions=[*range(prefill), context - 1],
-                           slot_mapping=[-1] * (prefill + 1), block_tables=[first, second], seq_lens=[prefill, context],
-                           query_start_loc=[0, prefill, prefill + 1], logits_rows=[prefill - 1, prefill])
-        self._probe(probe, self._caches_for(bs), bs)
-        try:
-            from kvpilot.kernels.paged_attention import split_probe_widths
-        except ImportError:  # no Triton: nothing to compile
-            return
-        max_blocks = -(-self.config.model.max_model_len // bs)
-        for width in split_probe_widths(self.num_kv_heads, bs, max_blocks, self.device):
-            wide = StepInputs(input_ids=[0], positions=[0], slot_mapping=[-1], block_tables=[[0] * width],
-                              seq_lens=[1], query_start_loc=[0, 1], logits_rows=[0])
-            self._probe(wide, self._caches_for(bs), bs)
+        for step in probes.kernel_probes(self.layout.with_block_size(block_size), self.config.model.max_model_len,
+                                         self.num_kv_heads, self.device):
+            self._probe(step, self._caches_for(block_size), block_size)
 
     def _probe(self, inputs: StepInputs, caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                ops: kernel_ops.Ops | None = None) -> None:
@@ -240,6 +212,11 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.model(input_ids, caches, ops.plan(meta, positions, self.rope, block_size), ops)
             self.model.compute_logits(hidden[inputs.logits_rows])
+
+    def _probe_live(self, inputs: StepInputs, caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    ops: kernel_ops.Ops | None) -> None:
+        """`_probe` at the live block size (a `probes.Probe`)."""
+        self._probe(inputs, caches, self.block_size, ops)
 
     def _graphs_for(self, block_size: int) -> DecodeGraphs | None:
         """The decode graphs of `block_size`, captured now (and its kernels compiled) if they were
@@ -286,66 +263,6 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         return self.layout.bytes_per_block
-
-    def _settle_kv_scales(self) -> str:
-        """An FP8 cache's scales, settled as kv_scales.py says; where they came from."""
-        calculate = self.config.cache.calculate_kv_scales
-        if calculate or (calculate is None and not self.model.kv_scales_from_checkpoint):
-            n = min(kv_scales.CALIBRATION_TOKENS, self.config.model.max_model_len,
-                    self.config.scheduler.max_num_batched_tokens)
-            # the reference ops: the Triton kernels' variants for caches of the model's dtype, which
-            # serving never launches, would be compiled for this one pass
-            reference = ReferenceOps()
-            self.model.set_kv_scales(kv_scales.measure(
-                lambda step, caches: self._probe(step, caches, self.block_size, reference),
-                dataclasses.replace(self.layout, dtype=self.dtype), self.model_config.vocab_size, n,
-                self.config.model.seed))
-            source = f"measured on {n} calibration tokens"
-        else:
-            source = "from the checkpoint" if self.model.kv_scales_from_checkpoint else "1.0 (no calibration)"
-        scales = torch.stack([layer.kv_scales for layer in self.model.layers]).cpu()
-        logger.info("FP8 KV cache: scales %s, k %.3g..%.3g, v %.3g..%.3g", source, scales[:, 0].min(),
-                    scales[:, 0].max(), scales[:, 1].min(), scales[:, 1].max())
-        return source
-
-    def _num_kv_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_gpu_blocks_override is not None:
-            num_blocks = cache.num_gpu_blocks_override
-        elif self.device.type == "cuda":
-            num_blocks = self._profile_cuda_blocks()
-        else:
-            num_blocks = int(cache.cpu_kv_cache_space_gib * GiB) // self.bytes_per_block
-        max_len = self.config.model.max_model_len
-        if num_blocks * self.block_size < max_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks x {self.block_size} = {num_blocks * self.block_size} tokens, "
-                f"fewer than max_model_len ({max_len}): lower --max-model-len or give the cache more memory"
-            )
-        return num_blocks
-
-    def _profile_cuda_blocks(self) -> int:
-        """Blocks that fit in gpu_memory_utilization of the card after a worst-case forward pass."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        n = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
-        self.profiled_step_tokens = self.config.scheduler.max_num_batched_tokens
-        self._forward_probe(n)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        _, total = torch.cuda.mem_get_info()
-        staging = min(self.layout.swap_bytes, MAX_STAGING_BYTES)  # the swap space's device buffer
-        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - staging
-        return max(0, budget // self.bytes_per_block)
-
-    def _forward_probe(self, num_tokens: int) -> None:
-        """One prefill of `num_tokens` tokens over a throwaway one-sequence cache."""
-        blocks = -(-num_tokens // self.block_size)
-        caches = kv_cache.views(kv_cache.allocate(self.layout, blocks * self.block_size), self.layout, num_blocks=blocks)
-        probe = StepInputs(input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
-                           slot_mapping=list(range(num_tokens)), block_tables=[list(range(blocks))],
-                           seq_lens=[num_tokens], query_start_loc=[0, num_tokens], logits_rows=[num_tokens - 1])
-        self._probe(probe, caches, self.block_size)
 
     def relayout(self, block_size: int, plan: kv_cache.Plan,
                  swap_moves: list[tuple[list[int], list[int], int]]) -> kv_cache.RelayoutCost:
@@ -438,48 +355,13 @@ class ModelRunner:
         without waiting for either (on a GPU): the host may prepare the next step meanwhile, whose
         pending tokens (inputs.py) come from this step's samples. The samples (None when nothing
         samples) and the prompt logprobs the inputs ask for (None when none)."""
-        for seq_id in inputs.finished_seq_ids:
-            self._generators.pop(seq_id, None)
+        self.sampler.forget(inputs.finished_seq_ids)
         if self.tp.size > 1:  # the other ranks need only the model's inputs
             self.tp.broadcast(("step", dataclasses.replace(inputs, sampling_rows=[], finished_seq_ids=[])))
         logits, prompt = self._run(inputs)
-        sampled = self._sample(logits, inputs.sampling_rows) if logits is not None else None
+        sampled = self.sampler.sample(logits, inputs.sampling_rows) if logits is not None else None
         self._sampled = sampled.token_ids if sampled is not None else None
         return sampled, prompt
-
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
-        """Sample every row; where that fails on the host (a row's values: a seed or top-k no
-        generator or tensor holds), raise `RowsFailedError` naming the failing rows, found by
-        trying each alone with a throwaway generator, so no other row's random stream moves.
-        Device errors are not the request's: they propagate."""
-        try:
-            return sample_on_device(logits, rows, [self._generator(row) for row in rows])
-        except Exception as error:
-            if _is_device_error(error):
-                raise
-            failed: dict[int, str] = {}
-            for i, row in enumerate(rows):
-                try:
-                    probe = None if row.seed is None else torch.Generator(device=self.device).manual_seed(row.seed)
-                    sample_on_device(logits[i:i + 1], [row], [probe]).result()
-                except Exception as row_error:
-                    if _is_device_error(row_error):
-                        raise
-                    failed[row.seq_id] = f"{type(row_error).__name__}: {row_error}"
-            if not failed:
-                raise
-            raise RowsFailedError(failed) from error
-
-    def _generator(self, row: SamplingRow) -> torch.Generator | None:
-        """A seeded sequence's generator, made on its first sample: its draws then depend only on
-        its seed, not on what else runs in the batch."""
-        if row.seed is None:
-            return None
-        gen = self._generators.get(row.seq_id)
-        if gen is None:
-            gen = self._generators[row.seq_id] = torch.Generator(device=self.device)
-            gen.manual_seed(row.seed)
-        return gen
 
     @torch.inference_mode()
     def follow(self) -> None:
@@ -499,8 +381,3 @@ class ModelRunner:
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast(("stop", None))
 
-
-def _is_device_error(error: BaseException) -> bool:
-    """An error of the device itself (out of memory, a failed kernel), not of one row's values."""
-    accelerator_error = getattr(torch, "AcceleratorError", ())
-    return isinstance(error, torch.cuda.OutOfMemoryError | accelerator_error) or "CUDA" in str(error)

@@ -16,6 +16,9 @@ float64 tensor (token ids are exact in float64). A filter's switches come from t
 parameters, never from a device value, and host lists reach the device through pinned memory
 (batch.py's `to_device`), so no other synchronisation happens: the host can go on to prepare the
 next step while this one runs (`sample_on_device`, `DeviceSample`).
+
+`SeededSampler` is the runner's: it keeps each seeded sequence's generator, keyed by sequence id,
+and names the rows whose own values make sampling fail (`RowsFailedError`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.runtime.errors import RowsFailedError
 from kvpilot.runtime.executor.batch import to_device
 from kvpilot.runtime.executor.inputs import RowLogprobs, SamplingRow
 
@@ -212,3 +216,56 @@ def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     ready = torch.cuda.Event()
     ready.record()
     return host, ready
+
+
+class SeededSampler:
+    """Samples a step's rows on `device`, each seeded sequence drawing from its own generator."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._generators: dict[int, torch.Generator] = {}  # seeded sequences' own random streams
+
+    def forget(self, seq_ids: list[int]) -> None:
+        """Drop the generators of sequences that finished."""
+        for seq_id in seq_ids:
+            self._generators.pop(seq_id, None)
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+        """Sample every row; where that fails on the host (a row's values: a seed or top-k no
+        generator or tensor holds), raise `RowsFailedError` naming the failing rows, found by
+        trying each alone with a throwaway generator, so no other row's random stream moves.
+        Device errors are not the request's: they propagate."""
+        try:
+            return sample_on_device(logits, rows, [self._generator(row) for row in rows])
+        except Exception as error:
+            if _is_device_error(error):
+                raise
+            failed: dict[int, str] = {}
+            for i, row in enumerate(rows):
+                try:
+                    probe = None if row.seed is None else torch.Generator(device=self.device).manual_seed(row.seed)
+                    sample_on_device(logits[i:i + 1], [row], [probe]).result()
+                except Exception as row_error:
+                    if _is_device_error(row_error):
+                        raise
+                    failed[row.seq_id] = f"{type(row_error).__name__}: {row_error}"
+            if not failed:
+                raise
+            raise RowsFailedError(failed) from error
+
+    def _generator(self, row: SamplingRow) -> torch.Generator | None:
+        """A seeded sequence's generator, made on its first sample: its draws then depend only on
+        its seed, not on what else runs in the batch."""
+        if row.seed is None:
+            return None
+        gen = self._generators.get(row.seq_id)
+        if gen is None:
+            gen = self._generators[row.seq_id] = torch.Generator(device=self.device)
+            gen.manual_seed(row.seed)
+        return gen
+
+
+def _is_device_error(error: BaseException) -> bool:
+    """An error of the device itself (out of memory, a failed kernel), not of one row's values."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(error, torch.cuda.OutOfMemoryError | accelerator_error) or "CUDA" in str(error)
