@@ -9,7 +9,7 @@ PORT ?= 8000
 # The repo root holds a folder named `operator`: never let `python -m` put it on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install test lint serve bench clean images tools
+.PHONY: install test lint serve bench clean images tools crds
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ test: install
 lint: install
 	$(BIN)/ruff check runtime kernels operator bench tests benchmarks
 	$(BIN)/mypy runtime kernels operator bench
+
+# The CRD's properties for the live tunables, written from runtime/tunables.py into crds/ and the
+# chart's copy (between the files' `# BEGIN tunables.*` and `# END` lines); a test fails until run.
+crds: install
+	$(BIN)/python -m kvpilot.operator.crd_schema
 
 serve: install
 	$(BIN)/kvpilot serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)

@@ -8,26 +8,22 @@ defaulting, e.g. one stored before a field was added. The engine defaults are th
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, create_model
 from pydantic.alias_generators import to_camel
 
 from kvpilot.runtime.tunables import (
     BLOCK_SIZE,
-    MAX_NUM_BATCHED_TOKENS,
-    MAX_NUM_SEQS,
     PREEMPTION_MODE,
     PREEMPTION_MODES,
-    SCHEDULER_POLICY,
+    TUNABLES,
+    TunableArgs,
 )
 
 # the live tunables' values and bounds are the runtime's contract (kvpilot.runtime.tunables)
 BlockSize = Annotated[int, AfterValidator(BLOCK_SIZE.check)]
 PreemptionMode = Annotated[str, AfterValidator(PREEMPTION_MODE.check)]
-SchedulerPolicy = Annotated[str, AfterValidator(SCHEDULER_POLICY.check)]
-MaxNumSeqs = Annotated[int, AfterValidator(MAX_NUM_SEQS.check)]
-MaxNumBatchedTokens = Annotated[int, AfterValidator(MAX_NUM_BATCHED_TOKENS.check)]
 Quantity = int | str
 # The CRD's duration pattern: a count and one unit (30s, 10m, 1h).
 Duration = Annotated[str, StringConstraints(pattern=r"^[0-9]+(s|m|h)$")]
@@ -53,17 +49,32 @@ class ResourcesSpec(_Model):
     shm_size: Quantity = "2Gi"
 
 
-class EngineSpec(_Model):
-    block_size: BlockSize = BLOCK_SIZE.default
+def _tunable_fields() -> dict[str, Any]:
+    """Each live tunable as a field of spec.engine: the contract's name, CRD spelling, rule and
+    default (an unset one, None, is the runtime's to resolve)."""
+    fields: dict[str, Any] = {}
+    for t in TUNABLES:
+        checked: Any = Annotated[t.kind, AfterValidator(t.check)]
+        fields[t.name] = (checked if t.default is not None else checked | None,
+                          Field(default=t.default, alias=t.camel))
+    return fields
+
+
+if TYPE_CHECKING:  # the same fields as the contract types them (a test compares the two)
+    class _TunablesSpec(_Model, TunableArgs):
+        pass
+else:
+    _TunablesSpec = create_model("_TunablesSpec", __base__=_Model, __module__=__name__, **_tunable_fields())
+
+
+class EngineSpec(_TunablesSpec):
+    """spec.engine: the live tunables' fields (from the contract), then the other engine arguments."""
+
     swap_space: float = Field(default=4, ge=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
-    max_num_seqs: MaxNumSeqs = MAX_NUM_SEQS.default
-    max_num_batched_tokens: MaxNumBatchedTokens | None = None
     max_model_len: int | None = None
-    preemption_mode: PreemptionMode = PREEMPTION_MODE.default
-    scheduler_policy: SchedulerPolicy = SCHEDULER_POLICY.default
     priority_aging: float = Field(default=10, gt=0, le=86400)
     fair_prompt_weight: float = Field(default=1, gt=0, le=1000)
     fair_output_weight: float = Field(default=2, gt=0, le=1000)

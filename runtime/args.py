@@ -24,24 +24,20 @@ from kvpilot.runtime.config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATION_METHODS,
+    SCHEDULER_TUNABLES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
 )
-from kvpilot.runtime.tunables import (
-    BLOCK_SIZE,
-    MAX_NUM_SEQS,
-    PREEMPTION_MODE,
-    SCHEDULER_POLICY,
-    TUNABLES,
-    check_changes,
-)
+from kvpilot.runtime.tunables import MAX_NUM_BATCHED_TOKENS, TUNABLES, TunableArgs, check_changes
 
 
 @dataclass
-class EngineArgs:
+class EngineArgs(TunableArgs):
+    """The engine's arguments; the live tunables' fields (keyword-only) come from the contract."""
+
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None
     served_model_name: str | None = None
@@ -50,7 +46,6 @@ class EngineArgs:
     quantization: str | None = "auto"  # auto (or None): the checkpoint's quantization_config
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
-    block_size: int = BLOCK_SIZE.default
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -58,11 +53,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: float8 e4m3, per-layer scales
     calculate_kv_scales: bool | None = None  # fp8: None measures them when the checkpoint has none
     enable_prefix_caching: bool = False
-    max_num_seqs: int = MAX_NUM_SEQS.default
-    max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len without chunking
     enable_chunked_prefill: bool = True
-    preemption_mode: str = PREEMPTION_MODE.default
-    scheduler_policy: str = SCHEDULER_POLICY.default
     priority_aging: float = 10.0  # seconds of waiting worth one priority level
     fair_prompt_weight: float = 1.0
     fair_output_weight: float = 2.0
@@ -115,13 +106,14 @@ class EngineArgs:
             kv_cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales,
         )
+        # the live tunables the scheduler holds, each under its contract name (the step's token
+        # budget resolved above)
+        tunables = {t.name: getattr(self, t.name) for t in SCHEDULER_TUNABLES if t is not MAX_NUM_BATCHED_TOKENS}
         scheduler = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
+            **tunables,
             max_num_batched_tokens=batched,
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
-            preemption_mode=self.preemption_mode,
-            scheduler_policy=self.scheduler_policy,
             priority_aging_s=self.priority_aging,
             fair_prompt_weight=self.fair_prompt_weight,
             fair_output_weight=self.fair_output_weight,

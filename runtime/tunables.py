@@ -1,8 +1,7 @@
 """The live tunables: the one place that names them, spells them on every wire, bounds them and
 checks a value. The runtime (its flags, `--tuned-config`, `POST /admin/config`, the engine's
 `update_config`) and the operator (the CRD's spec, status.tuning, the tuned ConfigMap, the
-autotuner) both read this table; the CRD's enums and defaults are checked against it by a test.
-Plain Python only: the operator imports it without torch.
+autotuner) both read this table. Plain Python only: the operator imports it without torch.
 
 | name (JSON, `LLM(...)`) | flag | CRD (camelCase) | values | default |
 | --- | --- | --- | --- | --- |
@@ -13,16 +12,17 @@ Plain Python only: the operator imports it without torch.
 | `scheduler_policy` | `--scheduler-policy` | `schedulerPolicy` | fcfs, fair, priority | fcfs |
 
 From `TUNABLES` come the flags of `kvpilot serve` and `kvpilot generate` (spelling, rule, default,
-help), the names `check_changes` accepts, the labels of `kvpilot_live_config_info`, and the
-operator's flags for the pods and status.engine.
-Adding a tunable (each step fails a test in tests/runtime/test_tunables.py until done):
-1. here: its `Tunable` in `TUNABLES`, its `LiveConfig` field, its row in the table above;
-2. its holder in the runtime: a `SchedulerConfig` field of the same name listed in
-   `SCHEDULER_TUNABLES` (config.py), or an engine-specific path in `LLMEngine.update_config`;
-   its `EngineArgs` field (args.py), passed on to that config; its `EngineSnapshot` field
-   (engine/messages.py), which the metrics export per pod;
-3. the operator's spec: its `EngineSpec` field (operator/spec.py) and its CRD properties
-   (spec.engine, status.engine, status.tuning.config in crds/, copied to the chart's crds/).
+help), the names `check_changes` accepts, the engine core's snapshot (a `LiveConfig`) and so the
+labels of `kvpilot_live_config_info`, the operator's `EngineSpec` fields, its flags for
+the pods and status.engine, and the CRD's properties for them (`make crds` writes them into crds/
+and the chart's copy; a test fails while they differ).
+Adding a tunable takes two edits (tests/runtime/test_tunables.py fails until both are done, and
+tests/runtime/test_new_tunable.py makes both to a copy of the sources to show the rest follows):
+1. here: its `Tunable` in `TUNABLES`, its `LiveConfig` and `TunableArgs` fields, its row in the
+   table above; then `make crds`;
+2. its holder in the engine: a `SchedulerConfig` field of the same name listed in
+   `SCHEDULER_TUNABLES` (config.py), which `EngineArgs` fills and `LLMEngine.update_config`
+   replaces, or an engine-specific path in `LLMEngine.update_config` (as the block size's).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class Tunable:
     minimum: int | None = None  # the bounds of an integer
     maximum: int | None = None
     default: Any = None  # None: resolved at start (max_num_batched_tokens: from the context length)
-    help: str = ""  # the flag's (`kvpilot serve --help`)
+    help: str = ""  # the flag's (`kvpilot serve --help`), also the CRD's spec.engine description
+    title: str = ""  # a few words for the CRD's status descriptions
 
     @property
     def flag(self) -> str:
@@ -71,21 +72,25 @@ class Tunable:
 
 BLOCK_SIZE = Tunable("block_size", "blockSize", int, choices=(8, 16, 32, 64), default=16,
                      help="token slots in one KV cache block; a change re-cuts the cache in place, keeping "
-                          "the KV of running and swapped sequences")
+                          "the KV of running and swapped sequences",
+                     title="KV cache block size")
 PREEMPTION_MODE = Tunable("preemption_mode", "preemptionMode", str, choices=("recompute", "swap"),
                           default="recompute",
                           help="recompute: drop a preempted sequence's KV and prefill it again; swap: copy it to "
-                               "the --swap-space host memory and back (recompute when that is full)")
+                               "the --swap-space host memory and back (recompute when that is full)",
+                          title="Preemption mode")
 SCHEDULER_POLICY = Tunable("scheduler_policy", "schedulerPolicy", str, choices=("fcfs", "fair", "priority"),
                            default="fcfs",
                            help="fcfs: arrival order; priority: the request's `priority` (lower first) with aging "
                                 "(--priority-aging), preemption takes the least important; fair: per-tenant fair "
                                 "share of served tokens (Virtual Token Counter; the tenant is the API key's from "
-                                "--api-key-file, else the request's `user`)")
+                                "--api-key-file, else the request's `user`)",
+                           title="Scheduler policy")
 MAX_NUM_SEQS = Tunable("max_num_seqs", "maxNumSeqs", int, minimum=1, maximum=65536, default=256,
-                       help="sequences in one step's batch")
+                       help="sequences in one step's batch", title="Sequences in one batch")
 MAX_NUM_BATCHED_TOKENS = Tunable("max_num_batched_tokens", "maxNumBatchedTokens", int, minimum=1, maximum=1 << 20,
-                                 help="tokens in one step (default: 2048, or max_model_len without chunked prefill)")
+                                 help="tokens in one step (default: 2048, or max_model_len without chunked prefill)",
+                                 title="Tokens in one step")
 
 TUNABLES: tuple[Tunable, ...] = (BLOCK_SIZE, PREEMPTION_MODE, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS,
                                  SCHEDULER_POLICY)
@@ -144,3 +149,16 @@ class LiveConfig:
         """The body of the `POST /admin/config` that turns this config into `target`."""
         mine = self.to_json()
         return {name: value for name, value in target.to_json().items() if mine[name] != value}
+
+
+@dataclass(kw_only=True)
+class TunableArgs:
+    """The live tunables' start values as engine arguments: `EngineArgs` (`LLM(...)`'s keywords,
+    the flags' destination) inherits these fields, and the operator's `EngineSpec` has the same
+    (spec.engine). None: the engine resolves it at start."""
+
+    block_size: int = BLOCK_SIZE.default
+    preemption_mode: str = PREEMPTION_MODE.default
+    max_num_seqs: int = MAX_NUM_SEQS.default
+    max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len without chunking
+    scheduler_policy: str = SCHEDULER_POLICY.default

@@ -360,7 +360,7 @@ class EngineCore:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             waiting_requests_by_tenant=dict(e.scheduler.backlog),
             warming_up=self._warming_up,
-            **config.tunables.to_json(),  # every live tunable, by its name
+            live=config.tunables,
         )
 
 

@@ -18,7 +18,7 @@ import msgspec
 
 from kvpilot.runtime.errors import RequestError
 from kvpilot.runtime.sched.sequence import DEFAULT_TENANT
-from kvpilot.runtime.tunables import PREEMPTION_MODE
+from kvpilot.runtime.tunables import LiveConfig
 
 
 class QueueFullError(RuntimeError):
@@ -80,16 +80,12 @@ class EngineSnapshot(msgspec.Struct, frozen=True, array_like=True):
     num_free_blocks: int = 0
     num_blocks: int = 0
     kv_cache_usage: float = 0.0
-    block_size: int = 0
-    preemption_mode: str = PREEMPTION_MODE.default
     enable_prefix_caching: bool = False
     waiting_requests_by_tenant: dict[str, int] = {}  # requests waiting or swapped out, per tenant
     warming_up: bool = False  # start-up work left for after Ready still runs (engine/warm_up.py)
-    # with block_size and preemption_mode, every live tunable by its name (runtime/tunables.py),
-    # which the metrics export for the operator to check each pod's config
-    max_num_seqs: int = 0
-    max_num_batched_tokens: int = 0
-    scheduler_policy: str = ""
+    # every live tunable in force, by its contract name (runtime/tunables.py), which the metrics
+    # export for the operator to check each pod's config; None until the core reports
+    live: LiveConfig | None = None
 
 
 class StepStatsMsg(msgspec.Struct, array_like=True):

@@ -26,7 +26,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from kvpilot.runtime.engine.core import EngineSnapshot, StepStatsMsg
+from kvpilot.runtime.engine.messages import EngineSnapshot, StepStatsMsg
 from kvpilot.runtime.outputs import RequestOutput
 from kvpilot.runtime.tunables import PREEMPTION_MODES, TUNABLES
 
@@ -215,16 +215,17 @@ class ServerMetrics:
 
     def _record_config(self, snapshot: EngineSnapshot) -> None:
         name = self.model_name
-        if not snapshot.num_blocks:  # the core has not reported yet
+        live = snapshot.live
+        if live is None or not snapshot.num_blocks:  # the core has not reported yet
             return
-        self.block_size.labels(name).set(snapshot.block_size)
+        self.block_size.labels(name).set(live.block_size)
         for mode in PREEMPTION_MODES:
-            self.preemption_mode.labels(name, mode).set(1.0 if mode == snapshot.preemption_mode else 0.0)
-        labels = (name, str(snapshot.block_size), str(snapshot.num_blocks), snapshot.preemption_mode,
+            self.preemption_mode.labels(name, mode).set(1.0 if mode == live.preemption_mode else 0.0)
+        labels = (name, str(live.block_size), str(snapshot.num_blocks), live.preemption_mode,
                   str(snapshot.enable_prefix_caching).lower(), self.cache_dtype)
         self._cache_info_labels = _info(self.cache_info, self._cache_info_labels, labels)
-        live = (name, *(str(getattr(snapshot, t.name)) for t in TUNABLES))
-        self._live_config_labels = _info(self.live_config_info, self._live_config_labels, live)
+        tunables = (name, *(str(getattr(live, t.name)) for t in TUNABLES))
+        self._live_config_labels = _info(self.live_config_info, self._live_config_labels, tunables)
 
     def _record_output(self, out: RequestOutput) -> None:
         name, m = self.model_name, out.metrics

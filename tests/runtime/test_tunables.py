@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from typing import Any
 
+import msgspec
 import pydantic
 import pytest
 from crd_admission import openapi_schema
@@ -25,6 +27,7 @@ from kvpilot.runtime.tunables import (
     PREEMPTION_MODE,
     TUNABLES,
     LiveConfig,
+    TunableArgs,
     check_changes,
 )
 
@@ -62,9 +65,15 @@ def test_the_crds_status_engine_shows_every_tunable_the_operator_writes_there() 
 
 
 def test_the_operators_engine_spec_holds_every_tunable_by_its_name_with_its_default() -> None:
+    hints = typing.get_type_hints(TunableArgs)
     for t in TUNABLES:
-        assert EngineSpec.model_fields[t.name].alias == t.camel
-        assert EngineSpec.model_fields[t.name].default == t.default
+        field = EngineSpec.model_fields[t.name]
+        assert (field.alias, field.default) == (t.camel, t.default)
+        nullable = type(None) in typing.get_args(hints[t.name])  # unset: the runtime resolves it
+        try:
+            assert EngineSpec.model_validate({t.camel: None}).model_dump()[t.name] is None and nullable
+        except pydantic.ValidationError:
+            assert not nullable
     assert LiveConfig.from_json(EngineSpec.model_validate(NOT_DEFAULT.to_status()).model_dump()) == NOT_DEFAULT
 
 
@@ -87,8 +96,9 @@ def test_live_config_holds_every_tunable_and_speaks_each_wire() -> None:
     config = LiveConfig(8, "swap", 128, 4096, "fair")
     assert LiveConfig.from_json({**config.to_json(), "num_blocks": 10}) == config  # the engine's extra keys
     assert LiveConfig.from_status(config.to_status()) == config
-    assert config.to_status() == {"blockSize": 8, "preemptionMode": "swap", "maxNumSeqs": 128,
-                                  "maxNumBatchedTokens": 4096, "schedulerPolicy": "fair"}
+    status = config.to_status()
+    assert list(status) == [t.camel for t in TUNABLES]
+    assert (status["blockSize"], status["maxNumBatchedTokens"], status["schedulerPolicy"]) == (8, 4096, "fair")
     assert config.changes_to(LiveConfig(16, "swap", 128, 4096, "fair")) == {"block_size": 16}
 
 
@@ -97,8 +107,7 @@ def test_live_config_holds_every_tunable_and_speaks_each_wire() -> None:
     ({"max_num_seqs": 0}, "max_num_seqs: must be an integer from 1 to 65536, not 0"),
     ({"max_num_seqs": True}, "max_num_seqs: expected an integer from 1 to 65536, got True"),
     ({"preemption_mode": "drop"}, "preemption_mode: must be one of recompute, swap, not 'drop'"),
-    ({"dtype": "float16"}, "dtype: not a live tunable (tunables: block_size, preemption_mode, max_num_seqs, "
-                           "max_num_batched_tokens, scheduler_policy)"),
+    ({"dtype": "float16"}, f"dtype: not a live tunable (tunables: {', '.join(t.name for t in TUNABLES)})"),
 ])
 def test_one_check_for_every_wire(changes: dict[str, Any], message: str) -> None:
     """The same rule and words for POST /admin/config, --tuned-config, LiveConfig and the spec."""
@@ -127,6 +136,18 @@ def test_every_tunable_is_a_serve_flag_with_the_contracts_default_and_values() -
         parser.parse_args(["--max-num-seqs", "65537"])
 
 
+def test_the_engine_arguments_of_every_tunable_are_the_contracts() -> None:
+    """`TunableArgs` (EngineArgs' and, in the same types, EngineSpec's tunable fields) holds each
+    tunable under its name, with its default and kind; None only where the engine resolves it."""
+    hints = typing.get_type_hints(TunableArgs)
+    fields = dataclasses.fields(TunableArgs)
+    assert [f.name for f in fields] == [t.name for t in TUNABLES]
+    for f, t in zip(fields, TUNABLES, strict=True):
+        assert f.default == t.default and f.kw_only
+        assert hints[f.name] == (t.kind if t.default is not None else t.kind | None)
+    assert issubclass(EngineArgs, TunableArgs)
+
+
 def test_every_tunable_reaches_the_engines_config_from_llm_keywords_and_flags() -> None:
     """EngineArgs (`LLM(...)`'s keywords, the flags' destination) carries each tunable, with the
     contract's default, into the config whose holders the engine reads."""
@@ -147,10 +168,9 @@ def test_the_engine_cores_snapshot_carries_every_tunable() -> None:
     """The API process reports each pod's live config from the snapshot the core sends each step."""
     from kvpilot.runtime.engine.messages import EngineSnapshot
 
-    fields = EngineSnapshot.__struct_fields__
-    assert {t.name for t in TUNABLES} <= set(fields)
-    snapshot = EngineSnapshot(**NOT_DEFAULT.to_json())
-    assert LiveConfig.from_json({f: getattr(snapshot, f) for f in fields}) == NOT_DEFAULT
+    encoded = msgspec.msgpack.encode(EngineSnapshot(num_blocks=4, live=NOT_DEFAULT))
+    assert msgspec.msgpack.decode(encoded, type=EngineSnapshot).live == NOT_DEFAULT
+    assert msgspec.msgpack.decode(encoded)[-1] == NOT_DEFAULT.to_json()  # keyed by the contract's names
 
 
 def test_the_contracts_table_is_its_tunables() -> None:
