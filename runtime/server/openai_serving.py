@@ -11,24 +11,24 @@ next step.
 
 With `echo` a completion's first chunk (or its whole text) starts with the prompt, and its
 logprobs with the prompt's; with `max_tokens: 0` as well, the one token the engine generates is
-left out of the response.
+left out of the response. The bodies themselves (choices, logprobs, usage) are built by
+response_bodies.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvpilot.runtime.errors import RequestError, RequestFailedError
-from kvpilot.runtime.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
+from kvpilot.runtime.outputs import CompletionOutput, RequestOutput
 from kvpilot.runtime.sampling_params import SamplingParams
 from kvpilot.runtime.sched.sequence import DEFAULT_TENANT
 from kvpilot.runtime.server.async_engine import (
@@ -39,6 +39,14 @@ from kvpilot.runtime.server.async_engine import (
 )
 from kvpilot.runtime.server.chat_templates import render_chat
 from kvpilot.runtime.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvpilot.runtime.server.response_bodies import (
+    chat_choice,
+    completion_choice,
+    numbered,
+    prompt_text,
+    usage_of,
+    without_generated,
+)
 from kvpilot.runtime.tokenizer import Tokenizer, check_prompt
 
 # a prompt as the engine takes it: its text (None when sent as token ids) and its token ids
@@ -85,7 +93,7 @@ class OpenAIServing:
         return await self._serve(request_id, [prompt], params, body.priority, raw, body.stream, body.include_usage,
                                  body.stream_options is not None and body.stream_options.continuous_usage_stats,
                                  "chat.completion",
-                                 lambda _out, c, chars, tokens: self._chat_choice(c, chars, tokens, top, body.stream),
+                                 lambda _out, c, chars, tokens: chat_choice(c, chars, tokens, top, body.stream, self.tokenizer),
                                  tenant=tenant, prompt_field="messages")
 
     async def completions(self, body: CompletionRequest, raw: Request, tenant: str = DEFAULT_TENANT) -> Response:
@@ -94,12 +102,12 @@ class OpenAIServing:
         params = _to_params(body.to_sampling_params)
         prompts = _to_params(body.prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        echoes = [self._prompt_text(p) for p in prompts] if body.echo else None
+        echoes = [prompt_text(p, self.tokenizer) for p in prompts] if body.echo else None
         echo_logprobs = body.logprobs if body.echo else None
 
         def choice(out: RequestOutput, c: CompletionOutput, chars: int, tokens: int) -> dict[str, Any]:
             echo = echoes[c.index // params.n] if echoes is not None else None
-            return self._completion_choice(out, c, chars, tokens, echo, echo_logprobs, body.prompt_logprobs)
+            return completion_choice(out, c, chars, tokens, self.tokenizer, echo, echo_logprobs, body.prompt_logprobs)
 
         return await self._serve(request_id, prompts, params, body.priority, raw, body.stream, body.include_usage,
                                  body.stream_options is not None and body.stream_options.continuous_usage_stats,
@@ -124,7 +132,7 @@ class OpenAIServing:
         encoded = await self._within_limits(prompts, params, prompt_field)
         streams = await self._admit(request_id, encoded, params, priority, tenant)
         created = int(time.time())
-        view = _without_generated if prompt_only else None
+        view = without_generated if prompt_only else None
         if stream:
             chunks = self._stream(request_id, streams, params.n, created, kind, choice, include_usage,
                                   continuous_usage, view)
@@ -137,9 +145,9 @@ class OpenAIServing:
             finals = [view(final) for final in finals]
         return JSONResponse({
             "id": request_id, "object": kind, "created": created, "model": self.model_name,
-            "choices": [choice(final, _numbered(c, i * params.n), 0, 0) for i, final in enumerate(finals)
+            "choices": [choice(final, numbered(c, i * params.n), 0, 0) for i, final in enumerate(finals)
                         for c in final.outputs],
-            "usage": _usage(finals),
+            "usage": usage_of(finals),
         })
 
     async def _within_limits(self, prompts: list[str | list[int]], params: SamplingParams,
@@ -269,7 +277,7 @@ class OpenAIServing:
                 last[i] = out
                 choices = []
                 for c in out.outputs:
-                    c = _numbered(c, i * n)
+                    c = numbered(c, i * n)
                     if c.index not in sent_chars:
                         sent_chars[c.index] = sent_tokens[c.index] = 0
                         if kind == "chat.completion":
@@ -284,9 +292,9 @@ class OpenAIServing:
                     sent_chars[c.index] = len(c.text)
                     sent_tokens[c.index] = -1 if c.finished else len(c.token_ids)
                 if choices:
-                    yield event(choices, _usage(last.values()) if continuous_usage else None)
+                    yield event(choices, usage_of(last.values()) if continuous_usage else None)
             if include_usage and last:
-                yield event([], _usage(last.values()))
+                yield event([], usage_of(last.values()))
         except (EngineDeadError, RequestFailedError) as e:
             code = "engine_dead" if isinstance(e, EngineDeadError) else "request_failed"
             yield f"data: {json.dumps(APIError(500, str(e), type='internal_error', code=code).body())}\n\n"
@@ -295,90 +303,6 @@ class OpenAIServing:
                 if not s.finished:  # cancelled: the client went away or the server stops
                     self.engine.abort(s.request_id)
         yield "data: [DONE]\n\n"
-
-    # ---- response bodies -------------------------------------------------------------------
-
-    def _chat_choice(self, c: CompletionOutput, sent_chars: int, sent_tokens: int, top: int,
-                     stream: bool) -> dict[str, Any]:
-        logprobs = None
-        if c.logprobs is not None:
-            logprobs = {"content": [self._chat_logprob(t, lp, top)
-                                    for t, lp in zip(c.token_ids[sent_tokens:], c.logprobs[sent_tokens:], strict=False)]}
-        text = c.text[sent_chars:]
-        body: dict[str, Any] = {"index": c.index, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason}
-        if stream:
-            body["delta"] = {"content": text} if text or not c.finished else {}
-        else:
-            body["message"] = {"role": "assistant", "content": text}
-        return body
-
-    def _chat_logprob(self, token_id: int, entry: dict[int, Any], top: int) -> dict[str, Any]:
-        token = self._token_text(token_id)
-        ranked = sorted((lp for lp in entry.items() if lp[1].rank <= top), key=lambda kv: kv[1].rank)
-        return {"token": token, "logprob": _finite(entry[token_id].logprob), "bytes": list(token.encode()),
-                "top_logprobs": [{"token": (t := self._token_text(tid)), "logprob": _finite(lp.logprob),
-                                  "bytes": list(t.encode())} for tid, lp in ranked]}
-
-    def _completion_choice(self, out: RequestOutput, c: CompletionOutput, sent_chars: int, sent_tokens: int,
-                           echo: str | None = None, echo_logprobs: int | None = None,
-                           prompt_logprobs: int | None = None) -> dict[str, Any]:
-        """`echo`: the prompt's text, put before the completion's first chunk (with its logprobs,
-        the first token's null, when `echo_logprobs` is set); `prompt_logprobs` (vLLM's field),
-        in the first chunk too."""
-        first = sent_chars == sent_tokens == 0
-        offset = sent_chars + (len(echo) if echo is not None else 0)
-        echo = echo if first else None
-        logprobs = None
-        if c.logprobs is not None:
-            logprobs = self._completion_logprobs(c.token_ids[sent_tokens:], c.logprobs[sent_tokens:], offset)
-        if echo is not None and echo_logprobs is not None and out.prompt_logprobs is not None:
-            prompt = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, echo_logprobs)
-            logprobs = prompt if logprobs is None else {key: prompt[key] + logprobs[key] for key in prompt}
-        body = {"index": c.index, "text": (echo or "") + c.text[sent_chars:], "logprobs": logprobs,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if prompt_logprobs is not None and first:
-            body["prompt_logprobs"] = [None if entry is None else {
-                str(tid): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": self._token_text(tid)}
-                for tid, lp in entry.items() if tid == token or lp.rank <= prompt_logprobs}
-                for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=False)]
-        return body
-
-    def _completion_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | PromptLogprobs, offset: int,
-                             top: int | None = None) -> dict[str, Any]:
-        """OpenAI's legacy logprobs of `token_ids` (an entry of None, the prompt's first token, is
-        null); each top list holds the token and the alternatives ranked up to `top` (all: None)."""
-        tokens: list[str] = []
-        token_logprobs: list[float | None] = []
-        tops: list[dict[str, float] | None] = []
-        offsets: list[int] = []
-        for token_id, entry in zip(token_ids, logprobs, strict=False):
-            token = self._token_text(token_id)
-            tokens.append(token)
-            offsets.append(offset)
-            offset += len(token)
-            if entry is None:
-                token_logprobs.append(None)
-                tops.append(None)
-                continue
-            token_logprobs.append(_finite(entry[token_id].logprob))
-            tops.append({self._token_text(t): _finite(lp.logprob) for t, lp in
-                         sorted(entry.items(), key=lambda kv: kv[1].rank)
-                         if top is None or t == token_id or lp.rank <= top})
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
-
-    def _prompt_text(self, prompt: str | list[int]) -> str:
-        """What `echo` shows of a prompt: its text as sent, or its token ids decoded."""
-        if isinstance(prompt, str):
-            return prompt
-        if self.tokenizer is None:
-            return "".join(self._token_text(t) for t in prompt)
-        return self.tokenizer.decode(prompt, skip_special_tokens=False)
-
-    def _token_text(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"<{token_id}>"
-        return self.tokenizer.convert_id(token_id)
 
 
 async def _last(stream: RequestStream) -> RequestOutput:
@@ -412,32 +336,6 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
             if task.done() and not task.cancelled():
                 task.exception()  # retrieved: the first error is the one raised
             task.cancel()
-
-
-def _without_generated(out: RequestOutput) -> RequestOutput:
-    """`out` with its completions' tokens left out (`echo` with `max_tokens: 0`: the engine ran one)."""
-    return dataclasses.replace(out, outputs=[
-        dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
-                            cumulative_logprob=None if c.cumulative_logprob is None else 0.0)
-        for c in out.outputs])
-
-
-def _numbered(c: CompletionOutput, offset: int) -> CompletionOutput:
-    """`c` as choice `offset + c.index` of a request with several prompts."""
-    return dataclasses.replace(c, index=c.index + offset) if offset else c
-
-
-def _usage(outs: Iterable[RequestOutput]) -> dict[str, int]:
-    prompt = completion = 0
-    for out in outs:
-        prompt += len(out.prompt_token_ids)
-        completion += sum(len(c.token_ids) for c in out.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _finite(value: float) -> float:
-    """JSON has no -inf: clamp it as OpenAI-compatible servers do."""
-    return max(value, -9999.0)
 
 
 def _field_of(message: str) -> str | None:
