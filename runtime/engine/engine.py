@@ -293,7 +293,7 @@ class LLMEngine:
             return None
         (sampled, prompt), inputs = queued
         now = time.time()
-        max_len = self.config.model.max_model_len
+        max_len = self._start_config.model.max_model_len  # not live: the start's, without the view
         sample_index = 0
         for s in sched.scheduled:
             seq = s.seq
@@ -352,7 +352,7 @@ class LLMEngine:
     def _postprocess(self, launched: Launched, finished_only: bool = False) -> Resolved:
         """`postprocess` the step (postprocess.py) against this engine's requests."""
         return postprocess(launched, self.requests, tokenizer=self.tokenizer if self.detokenize else None,
-                           eos_token_ids=self.eos_token_ids, max_model_len=self.config.model.max_model_len,
+                           eos_token_ids=self.eos_token_ids, max_model_len=self._start_config.model.max_model_len,
                            finish=self._finish, fail=self._fail_request, make_output=self.make_output,
                            finished_only=finished_only)
 
