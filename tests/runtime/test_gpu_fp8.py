@@ -18,13 +18,17 @@ from kvpilot.runtime import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+TIE = 0.1  # log-probability: what one FP8 rounding flip of an activation may move in the tiny model
+
 
 def test_fp8_on_cuda_gives_the_cpu_paths_tokens(tmp_path: Path) -> None:
     """Token for token, except after a near-tie: FP8 activations are quantized per token, so a
     float32 sum taken in another order on the GPU can move an activation across an e4m3 rounding
     boundary, and a random tiny model has near-ties between its top two tokens. Where the streams
-    part, the CPU's two best tokens must be within 0.1 of each other in log-probability and the
-    GPU must have taken the CPU's second; every log-probability before that agrees within 0.05."""
+    part, the CPU's two best tokens must be within TIE of each other in log-probability and the
+    GPU must have taken the CPU's second; every log-probability before that agrees within TIE too
+    (the flip that parts two streams at a near-tie moves a log-probability that much where there
+    is no tie to part)."""
     make_tiny_model(tmp_path, "llama")
     rng = random.Random(3)
     batch = [{"prompt_token_ids": [rng.randrange(256) for _ in range(n)]} for n in [3, 50, 120, 7] * 6]  # 24 rows
@@ -45,11 +49,11 @@ def test_fp8_on_cuda_gives_the_cpu_paths_tokens(tmp_path: Path) -> None:
         identical += parted is None
         for i in range(len(cpu.token_ids) if parted is None else parted):
             token = cpu.token_ids[i]
-            assert abs(cpu.logprobs[i][token].logprob - cuda.logprobs[i][token].logprob) <= 0.05
+            assert abs(cpu.logprobs[i][token].logprob - cuda.logprobs[i][token].logprob) <= TIE, (i, cpu, cuda)
         if parted is not None:
             top = sorted(cpu.logprobs[parted].items(), key=lambda item: item[1].rank)
             assert len(top) == 2 and top[1][0] == cuda.token_ids[parted], (parted, top, cuda.token_ids)
-            assert top[0][1].logprob - top[1][1].logprob <= 0.1, (parted, top)
+            assert top[0][1].logprob - top[1][1].logprob <= TIE, (parted, top)
     assert identical >= len(batch) * 3 // 4
 
 
