@@ -7,6 +7,7 @@ with vLLM's spellings; it resolves defaults that need the model (context length)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 # the live tunables' values and bounds are the contract's, shared with the operator
@@ -136,9 +137,10 @@ class EngineConfig:
         _check(not (self.scheduler.async_scheduling and self.device.tensor_parallel_size > 1), "async_scheduling",
                "is not supported with tensor parallelism (the other ranks would need the sampled tokens)")
 
-    @property
+    @functools.cached_property
     def tunables(self) -> LiveConfig:
-        """The live tunables' values in this config."""
+        """The live tunables' values in this config, built once: the config is frozen, and the
+        engine's view of it is a new one after every change (the core reads this every step)."""
         return LiveConfig(block_size=self.cache.block_size,
                           **{t.name: getattr(self.scheduler, t.name) for t in SCHEDULER_TUNABLES})
 
