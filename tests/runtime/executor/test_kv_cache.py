@@ -130,3 +130,53 @@ def test_layout_counts_blocks_from_one_allocation() -> None:
     assert layout.with_block_size(64).num_blocks == 5 and layout.with_block_size(8).num_blocks == 42
     with pytest.raises(ValueError, match="block_size"):
         layout.with_block_size(12)
+
+
+def resident_bytes(storage: torch.Tensor) -> int:
+    """Bytes of `storage` in memory now (mincore over its pages)."""
+    import ctypes
+    import mmap as _mmap
+    page = _mmap.PAGESIZE
+    start = storage.data_ptr() // page * page
+    length = storage.data_ptr() + storage.numel() * storage.element_size() - start
+    vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) * page
+
+
+def test_prefault_makes_the_cpu_cache_resident_and_keeps_what_it_holds() -> None:
+    layout = KVCacheLayout(block_size=16, num_blocks=1024, capacity_tokens=16384, num_layers=4, num_kv_heads=2,
+                           head_dim=64, dtype=torch.bfloat16, device="cpu", head_major=False, swap_capacity_tokens=0)
+    storage = kv_cache.allocate(layout, layout.capacity_tokens)
+    nbytes = storage.numel() * storage.element_size()
+    assert resident_bytes(storage) < nbytes // 4  # lazily faulted: nothing written yet
+    storage[1, 12345] = 3.5  # a token a step wrote before the prefault reached it
+    done = list(kv_cache.prefault(storage, chunk_bytes=nbytes // 3))
+    if not done:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+    assert len(done) == 4 and done[-1] == nbytes  # chunks rounded down to whole pages: 3 and a rest
+    assert resident_bytes(storage) == nbytes
+    assert storage[1, 12345].item() == 3.5 and storage.abs().sum().item() == 3.5  # the rest still zero
+
+
+def test_the_cache_is_prefaulted_after_ready_in_serve_and_on_a_thread_offline(tiny_models) -> None:
+    import time
+
+    from kvpilot.runtime.llm import LLM
+    llm = LLM(tiny_models["llama"][0], cpu_kv_cache_space=1 / 16, swap_space=0)
+    storage = llm.engine.runner._kv_storage
+    nbytes = storage.numel() * storage.element_size()
+    deadline = time.monotonic() + 30
+    while resident_bytes(storage) < nbytes and time.monotonic() < deadline:
+        time.sleep(0.05)  # the offline LLM's thread
+    if not list(kv_cache.prefault(storage)):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+    assert resident_bytes(storage) == nbytes
+    # `kvpilot serve`'s core runs the same as after-ready units, a chunk each, before any other
+    units = list(llm.engine.runner.prepare_later())
+    chunks = -(-nbytes // kv_cache.PREFAULT_CHUNK_BYTES)
+    assert units[:chunks] == [f"KV cache pages: {min((i + 1) * kv_cache.PREFAULT_CHUNK_BYTES, nbytes) >> 20} MiB"
+                              for i in range(chunks)]
+    assert llm.generate({"prompt_token_ids": [1, 2, 3]})[0].outputs[0].token_ids
