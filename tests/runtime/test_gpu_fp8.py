@@ -18,17 +18,20 @@ from kvpilot.runtime import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-TIE = 0.1  # log-probability: what one FP8 rounding flip of an activation may move in the tiny model
+# log-probabilities: where no e4m3 rounding flipped, CPU and GPU agree to float32 summation order;
+# a flip (one activation one e4m3 step away: up to 1/8 of its value) moves the tiny model's
+# log-probabilities by up to about FLIP, rarely
+AGREE, FLIP = 1e-3, 0.5
 
 
 def test_fp8_on_cuda_gives_the_cpu_paths_tokens(tmp_path: Path) -> None:
-    """Token for token, except after a near-tie: FP8 activations are quantized per token, so a
-    float32 sum taken in another order on the GPU can move an activation across an e4m3 rounding
-    boundary, and a random tiny model has near-ties between its top two tokens. Where the streams
-    part, the CPU's two best tokens must be within TIE of each other in log-probability and the
-    GPU must have taken the CPU's second; every log-probability before that agrees within TIE too
-    (the flip that parts two streams at a near-tie moves a log-probability that much where there
-    is no tie to part)."""
+    """Token for token, except where an FP8 rounding flipped: activations are quantized per token,
+    so a float32 sum taken in another order on the GPU can move an activation across an e4m3
+    rounding boundary, which moves every later log-probability of that sequence, by up to FLIP
+    in this tiny random model, and parts two streams where its top two tokens nearly tie. So: most
+    log-probabilities agree within AGREE (a wrong scale, kernel or graph moves them all), none by
+    more than FLIP; where streams part, the GPU took the CPU's second token, which was within FLIP
+    of its first; and most rows are identical."""
     make_tiny_model(tmp_path, "llama")
     rng = random.Random(3)
     batch = [{"prompt_token_ids": [rng.randrange(256) for _ in range(n)]} for n in [3, 50, 120, 7] * 6]  # 24 rows
@@ -44,16 +47,19 @@ def test_fp8_on_cuda_gives_the_cpu_paths_tokens(tmp_path: Path) -> None:
         gc.collect()  # the engine holds reference cycles: free its memory before the next one sizes its cache
     torch.cuda.empty_cache()
     identical = 0
+    gaps: list[float] = []
     for cpu, cuda in zip(outputs["cpu"], outputs["cuda"], strict=True):
         parted = next((i for i, (a, b) in enumerate(zip(cpu.token_ids, cuda.token_ids, strict=False)) if a != b), None)
         identical += parted is None
         for i in range(len(cpu.token_ids) if parted is None else parted):
             token = cpu.token_ids[i]
-            assert abs(cpu.logprobs[i][token].logprob - cuda.logprobs[i][token].logprob) <= TIE, (i, cpu, cuda)
+            gaps.append(abs(cpu.logprobs[i][token].logprob - cuda.logprobs[i][token].logprob))
         if parted is not None:
             top = sorted(cpu.logprobs[parted].items(), key=lambda item: item[1].rank)
             assert len(top) == 2 and top[1][0] == cuda.token_ids[parted], (parted, top, cuda.token_ids)
-            assert top[0][1].logprob - top[1][1].logprob <= TIE, (parted, top)
+            assert top[0][1].logprob - top[1][1].logprob <= FLIP, (parted, top)
+    assert max(gaps) <= FLIP, sorted(gaps)[-10:]
+    assert sum(g <= AGREE for g in gaps) >= 0.75 * len(gaps), sorted(gaps)
     assert identical >= len(batch) * 3 // 4
 
 
