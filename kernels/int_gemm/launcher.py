@@ -1,6 +1,7 @@
 """Host side of the integer-weight products: argument checks, tiles per shape, and which kernel
-serves a batch: `decode.py` up to DECODE_MAX_M rows (bound by the weights' bytes), `prefill.py`
-beyond (bound by the tensor cores)."""
+serves a batch: 4-bit weights up to decode_int4.MAX_M rows take `decode_int4.py` (zero point and
+scale per group, not per weight), other weights up to DECODE_MAX_M rows `decode.py` (both bound by
+the weights' bytes), larger batches `prefill.py` (bound by the tensor cores)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch
 
 from kvpilot.kernels.checks import FLOAT_DTYPES, check_tensor
 from kvpilot.kernels.host import cdiv, next_power_of_2
-from kvpilot.kernels.int_gemm import decode, prefill
+from kvpilot.kernels.int_gemm import decode, decode_int4, prefill
 from kvpilot.kernels.int_gemm.decode import DecodeConfig
+from kvpilot.kernels.int_gemm.decode_int4 import Int4DecodeConfig
 from kvpilot.kernels.int_gemm.layout import IntWeight
 from kvpilot.kernels.int_gemm.prefill import PrefillConfig
 
@@ -51,16 +53,38 @@ def choose_decode(m: int, w: IntWeight, num_sms: int) -> DecodeConfig:
     return DecodeConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
+def choose_int4_decode(m: int, w: IntWeight, num_sms: int) -> Int4DecodeConfig:
+    """32 output features a program (64-byte runs per row and step), K split until every SM has a
+    program: the partials' sum costs two more launches, so no further."""
+    block_k = block_k_for(w.group_size, Int4DecodeConfig.block_k)
+    n = w.out_features
+    split = 1
+    while cdiv(n, 32) * split < num_sms and w.in_features % (2 * split * block_k) == 0 and split < MAX_SPLIT:
+        split *= 2
+    return Int4DecodeConfig(block_n=32, block_k=block_k, split_k=split)
+
+
+def int4_decode_serves(m: int, w: IntWeight) -> bool:
+    return w.bits == 4 and m <= decode_int4.MAX_M
+
+
 def choose_prefill(m: int, w: IntWeight) -> PrefillConfig:
     if m >= 128:
         return PrefillConfig()
     return PrefillConfig(block_m=64, num_warps=4)
 
 
-def int_gemm_decode(x: torch.Tensor, w: IntWeight, config: DecodeConfig | None = None) -> torch.Tensor:
-    """x (M, K) @ W^T -> (M, N) in x's dtype, by the decode kernel (any M; meant for M <= 64)."""
+def int_gemm_decode(x: torch.Tensor, w: IntWeight, config: DecodeConfig | Int4DecodeConfig | None = None
+                    ) -> torch.Tensor:
+    """x (M, K) @ W^T -> (M, N) in x's dtype, by a decode kernel (any M; meant for M <= 64):
+    `decode_int4.py` for an Int4DecodeConfig, or, without a config, where it serves the batch;
+    `decode.py` otherwise."""
     check(x, w)
     m, n = x.shape[0], w.out_features
+    if config is None and int4_decode_serves(m, w):
+        config = choose_int4_decode(m, w, _num_sms(x.device))
+    if isinstance(config, Int4DecodeConfig):
+        return _int4_decode(x, w, config)
     config = config or choose_decode(m, w, _num_sms(x.device))
     block_k = block_k_for(w.group_size, config.block_k)
     if w.in_features % (config.split_k * block_k):
@@ -74,6 +98,27 @@ def int_gemm_decode(x: torch.Tensor, w: IntWeight, config: DecodeConfig | None =
         return out
     partials = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
     decode.launch(x, w, partials, config, block_m, block_k)
+    return partials.sum(0).to(x.dtype)
+
+
+def _int4_decode(x: torch.Tensor, w: IntWeight, config: Int4DecodeConfig) -> torch.Tensor:
+    m, n = x.shape[0], w.out_features
+    if w.bits != 4 or m > decode_int4.MAX_M:
+        raise ValueError(f"the 4-bit decode kernel takes 4-bit weights and at most {decode_int4.MAX_M} rows, "
+                         f"got {w.bits}-bit and {m}")
+    block_k = block_k_for(w.group_size, config.block_k)
+    if config.order == 2 and block_k < 128:
+        raise ValueError(f"order 2 needs block_k >= 128; group size {w.group_size} allows {block_k}")
+    if w.in_features % (config.split_k * block_k):
+        raise ValueError(f"split_k {config.split_k} x block_k {block_k} must divide in_features {w.in_features}")
+    if m == 0:
+        return torch.empty((0, n), dtype=x.dtype, device=x.device)
+    if config.split_k == 1:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        decode_int4.launch(x, w, out, config, block_k)
+        return out
+    partials = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
+    decode_int4.launch(x, w, partials, config, block_k)
     return partials.sum(0).to(x.dtype)
 
 

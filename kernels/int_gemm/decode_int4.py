@@ -1,0 +1,267 @@
+"""The 4-bit product for decode-sized batches, de-quantising at about one instruction a weight:
+y (M, N) = x (M, K) @ W^T, M <= 16, bound by reading the packed weights.
+
+Why another kernel: `decode.py` turns each weight into a float32 (copy, shift, mask, OR a magic,
+subtract the zero, multiply by the scale) and then into the activations' dtype, six or seven
+instructions a weight, more than the time its half byte takes to stream. Here the zero point and
+the scale leave the inner loop, and two weights share each 32-bit instruction:
+
+  * Per word and shift s (0..3), ((word << a_s or >> b_s) & MASK) | ONES puts nibbles s and s + 4
+    at the top of the mantissas of two 16-bit floats 1.0: each half is v = 1 + q / 16, exact (four
+    significant bits), in the activations' 16-bit type (bfloat16 for bf16 and fp32 inputs, fp16
+    for fp16: MASK/ONES 0x00780078/0x3F803F80 and 0x03C003C0/0x3C003C00). One shift and one
+    AND-OR (a single LOP3) yield two weights; splitting the word into its halves is register
+    renaming (`ASM=True` says so to the compiler with `mov.b32 {lo, hi}`; the pure-Triton form,
+    a truncation and a shift, is what the interpreter runs).
+  * The tensor cores take x and v: per step of BLOCK_K inputs (inside one group) D = x @ v^T and
+    S = x @ 1, the rows' sums repeated per column, both float32. Since q - z = 16 v - (16 + z),
+    the step adds s * (16 D - (16 + z) S) to the accumulator: per output, not per weight.
+
+Precision: the products x * v are exact in float32 (8 + 5 significant bits) and v lies in
+[1, 2), so D holds Sum x + Sum x q / 16: the part that cancels against (16 + z) S is at most the
+size of the one that stays (a 16-bit magic would add 1024 or 128 to q, and with it 7 or 4 bits of
+cancellation). The float32 sums of one step lose about 2**-24 of Sum |x| * 16 * 2, far below the
+bf16/fp16 output's rounding; the tests compare against de-quantise-then-matmul at the tolerances
+of the float32 kernel. fp32 activations run the same bfloat16 v widened to float32 (exact), with
+IEEE dots.
+
+The order along K inside each group of eight inputs (one word) is a choice, `ORDER`:
+  0  natural: the eight halves are joined back into input order (x is read as stored);
+  1  paired: each 32-bit result's two halves stay neighbours (input order 0 4 1 5 2 6 3 7 within
+     a word), and x is read in that order, so the tile may reach the tensor cores without moving
+     16-bit halves between registers;
+  2  eight dots: one dot per nibble position over the BLOCK_K / 8 words, x read at stride 8
+     (needs BLOCK_K >= 128, a dot's smallest K being 16).
+`SWAP` computes the transposed product (weights as the dot's left operand, BLOCK_N of them, x
+on the right): the tensor cores' wide side then holds the weights, not M <= 16 rows of x.
+
+Grid (cdiv(N, BLOCK_N), split, 1); each program walks k_len = K / split inputs in BLOCK_K steps
+(BLOCK_K divides the group size). With split > 1 the programs write float32 partials
+(split, M, N) that the launcher sums. Act-order weights (perm) read x's columns through perm;
+8-bit weights keep `decode.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpilot.kernels.host import INTERPRETING, cdiv
+from kvpilot.kernels.int_gemm.layout import IntWeight
+
+BLOCK_M = 16  # the dot's smallest side; rows past M are masked
+MAX_M = BLOCK_M
+ORDERS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Int4DecodeConfig:
+    block_n: int = 32  # output features per program
+    block_k: int = 128  # inputs per step (at most the group size; the launcher halves it to fit)
+    split_k: int = 1  # slices of K, each its own program (a runtime argument: no recompile)
+    num_warps: int = 4
+    num_stages: int = 3
+    order: int = 0  # the order along K inside a word (module docstring)
+    swap: bool = False  # weights as the dot's left operand
+    asm: bool = False  # split 32-bit results into halves with inline PTX (GPU only)
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order}")
+        if self.block_k < 16 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"block_k must be a power of two >= 16, got {self.block_k}")
+        if self.order == 2 and self.block_k < 128:
+            raise ValueError(f"order 2 (eight dots) needs block_k >= 128, got {self.block_k}")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+
+
+@triton.jit
+def _lead(words, S: tl.constexpr, FP16: tl.constexpr):
+    """Nibbles S and S + 4 of each word moved to the top four mantissa bits of the word's low and
+    high 16-bit halves (bits 3..6 and 19..22 for bfloat16, 6..9 and 22..25 for fp16). Arithmetic
+    right shifts copy the sign bit only into bits the mask then drops."""
+    if FP16:
+        if S == 0:
+            v = words << 6
+        elif S == 1:
+            v = words << 2
+        elif S == 2:
+            v = words >> 2
+        else:
+            v = words >> 6
+    else:
+        if S == 0:
+            v = words << 3
+        elif S == 1:
+            v = words >> 1
+        elif S == 2:
+            v = words >> 5
+        else:
+            v = words >> 9
+    return v
+
+
+@triton.jit
+def _halves(words, S: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr):
+    """(lo, hi): 1 + q / 16 for nibbles S and S + 4 of each word, as 16-bit floats."""
+    v = _lead(words, S, FP16)
+    if ASM:
+        if FP16:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 kvp_t; and.b32 kvp_t, $2, 0x03C003C0; or.b32 kvp_t, kvp_t, 0x3C003C00; "
+                "mov.b32 {$0, $1}, kvp_t; }",
+                "=h,=h,r", [v], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 kvp_t; and.b32 kvp_t, $2, 0x00780078; or.b32 kvp_t, kvp_t, 0x3F803F80; "
+                "mov.b32 {$0, $1}, kvp_t; }",
+                "=h,=h,r", [v], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+    else:
+        if FP16:
+            v = (v & 0x03C003C0) | 0x3C003C00
+        else:
+            v = (v & 0x00780078) | 0x3F803F80
+        lo = v.to(tl.int16)
+        hi = (v >> 16).to(tl.int16)
+    if FP16:
+        return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+    else:
+        return lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _weight_tile(words, FP16: tl.constexpr, ASM: tl.constexpr, ORDER: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(BLOCK_N, BLOCK_K // 8) words -> (BLOCK_N, BLOCK_K) of 1 + q / 16 in ORDER's K order.
+    Nested joins (BLOCK_N, W, 2, 2, 2): the first join's axis is the slowest of the three, so
+    element 8 j + 4 a + 2 b + c comes from pair a of pair b of half c."""
+    lo0, hi0 = _halves(words, 0, FP16, ASM)
+    lo1, hi1 = _halves(words, 1, FP16, ASM)
+    lo2, hi2 = _halves(words, 2, FP16, ASM)
+    lo3, hi3 = _halves(words, 3, FP16, ASM)
+    if ORDER == 0:  # position 4a + 2b + c holds nibble 4a + 2b + c
+        t = tl.join(tl.join(tl.join(lo0, hi0), tl.join(lo2, hi2)), tl.join(tl.join(lo1, hi1), tl.join(lo3, hi3)))
+    else:  # position 4a + 2b + c holds nibble 2a + b + 4c
+        t = tl.join(tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3)), tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3)))
+    return tl.reshape(t, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _load_x(x_ptr, perm_ptr, offs_m, mask_m, cols, stride_xm, HAS_PERM: tl.constexpr, WIDEN: tl.constexpr):
+    """x[offs_m, cols] (packed columns; through perm with act-order), in float32 if WIDEN."""
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + cols)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None], other=0.0)
+    if WIDEN:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _accumulate(x, v, d, sx, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """d += x @ v^T and sx += x @ 1 (or their transposes with SWAP), float32."""
+    v = v.to(x.dtype)
+    if SWAP:
+        xt = tl.trans(x)
+        ones = tl.full(v.shape, 1.0, tl.float32).to(x.dtype)
+        if IEEE:
+            d = tl.dot(v, xt, d, input_precision="ieee")
+            sx = tl.dot(ones, xt, sx, input_precision="ieee")
+        else:
+            d = tl.dot(v, xt, d)
+            sx = tl.dot(ones, xt, sx)
+    else:
+        vt = tl.trans(v)
+        ones = tl.full(vt.shape, 1.0, tl.float32).to(x.dtype)
+        if IEEE:
+            d = tl.dot(x, vt, d, input_precision="ieee")
+            sx = tl.dot(x, ones, sx, input_precision="ieee")
+        else:
+            d = tl.dot(x, vt, d)
+            sx = tl.dot(x, ones, sx)
+    return d, sx
+
+
+@triton.jit(do_not_specialize=["M"])  # M varies from step to step: one compile for all
+def _int4_decode_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, M, N, k_len,
+                        stride_xm, stride_qn, stride_sg, stride_os, stride_om,
+                        GROUP: tl.constexpr, HAS_PERM: tl.constexpr, FP16: tl.constexpr, IEEE: tl.constexpr,
+                        WIDEN: tl.constexpr,
+                        ORDER: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    WORDS: tl.constexpr = BLOCK_K // 8
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(pid_s * k_len, (pid_s + 1) * k_len, BLOCK_K):
+        offs_w = k0 // 8 + tl.arange(0, WORDS)
+        words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + offs_w[None, :], mask=mask_n[:, None], other=0)
+        if SWAP:
+            d = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            sx = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        else:
+            d = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            sx = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if ORDER == 2:
+            for shift in tl.static_range(4):
+                lo, hi = _halves(words, shift, FP16, ASM)
+                cols = k0 + 8 * tl.arange(0, WORDS) + shift
+                x_lo = _load_x(x_ptr, perm_ptr, offs_m, mask_m, cols, stride_xm, HAS_PERM, WIDEN)
+                d, sx = _accumulate(x_lo, lo, d, sx, SWAP, IEEE)
+                x_hi = _load_x(x_ptr, perm_ptr, offs_m, mask_m, cols + 4, stride_xm, HAS_PERM, WIDEN)
+                d, sx = _accumulate(x_hi, hi, d, sx, SWAP, IEEE)
+        else:
+            p = tl.arange(0, BLOCK_K)
+            nibble = p % 8
+            if ORDER == 1:
+                nibble = (nibble >> 1) + 4 * (nibble & 1)
+            x = _load_x(x_ptr, perm_ptr, offs_m, mask_m, k0 + p - p % 8 + nibble, stride_xm, HAS_PERM, WIDEN)
+            d, sx = _accumulate(x, _weight_tile(words, FP16, ASM, ORDER, BLOCK_N, BLOCK_K), d, sx, SWAP, IEEE)
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        # Sum x (q - z) = 16 Sum x v - (16 + z) Sum x, scaled per output
+        if SWAP:
+            acc += s[:, None] * (16.0 * d - (16.0 + z)[:, None] * sx)
+        else:
+            acc += s[None, :] * (16.0 * d - (16.0 + z)[None, :] * sx)
+    if SWAP:
+        out_ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    else:
+        out_ptrs = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def launch(x: torch.Tensor, w: IntWeight, out: torch.Tensor, config: Int4DecodeConfig, block_k: int) -> None:
+    """Checked by the launcher: 4-bit weights, M <= MAX_M, split_k * block_k divides K, and out is
+    (M, N) in x's dtype or (split_k, M, N) float32 partials."""
+    m, k = x.shape
+    n = w.out_features
+    perm = w.perm if w.perm is not None else w.qweight  # any pointer: unread without act-order
+    stride_os = out.stride(0) if config.split_k > 1 else 0
+    # the interpreter holds bfloat16 as raw 16-bit integers and its dot multiplies those: it runs
+    # bf16 activations' dots in float32 (both operands widen exactly), the unpacking unchanged
+    widen = INTERPRETING and x.dtype == torch.bfloat16
+    grid = (cdiv(n, config.block_n), config.split_k, 1)
+    _int4_decode_kernel[grid](
+        x, w.qweight, w.scales, w.zeros, perm, out, m, n, k // config.split_k,
+        x.stride(0), w.qweight.stride(0), w.scales.stride(0), stride_os, out.stride(-2),
+        GROUP=w.group_size, HAS_PERM=w.perm is not None, FP16=x.dtype == torch.float16,
+        IEEE=x.dtype == torch.float32 or widen, WIDEN=widen, ORDER=config.order, SWAP=config.swap, ASM=config.asm and not INTERPRETING,
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
