@@ -66,7 +66,8 @@ class Int4DecodeConfig:
     num_stages: int = 3
     order: int = 0  # the order along K inside a word (module docstring)
     swap: bool = False  # weights as the dot's left operand
-    asm: bool = False  # split 32-bit results into halves with inline PTX (GPU only)
+    asm: bool = False  # one inline-PTX LOP3 for the AND and the OR (GPU only)
+    sum_dot: bool = True  # the rows' sums of x on the tensor cores (x @ 1), else a reduction
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
@@ -111,24 +112,19 @@ def _lead(words, S: tl.constexpr, FP16: tl.constexpr):
 def _halves(words, S: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr):
     """(lo, hi): 1 + q / 16 for nibbles S and S + 4 of each word, as 16-bit floats."""
     v = _lead(words, S, FP16)
-    if ASM:
+    if ASM:  # one LOP3 for the AND and the OR (ptxas keeps them apart)
         if FP16:
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 kvp_t; and.b32 kvp_t, $2, 0x03C003C0; or.b32 kvp_t, kvp_t, 0x3C003C00; "
-                "mov.b32 {$0, $1}, kvp_t; }",
-                "=h,=h,r", [v], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+            v = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x03C003C0, 0x3C003C00, 0xEA;", "=r,r", [v],
+                                          dtype=tl.int32, is_pure=True, pack=1)
         else:
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 kvp_t; and.b32 kvp_t, $2, 0x00780078; or.b32 kvp_t, kvp_t, 0x3F803F80; "
-                "mov.b32 {$0, $1}, kvp_t; }",
-                "=h,=h,r", [v], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+            v = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00780078, 0x3F803F80, 0xEA;", "=r,r", [v],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    elif FP16:
+        v = (v & 0x03C003C0) | 0x3C003C00
     else:
-        if FP16:
-            v = (v & 0x03C003C0) | 0x3C003C00
-        else:
-            v = (v & 0x00780078) | 0x3F803F80
-        lo = v.to(tl.int16)
-        hi = (v >> 16).to(tl.int16)
+        v = (v & 0x00780078) | 0x3F803F80
+    lo = v.to(tl.int16)
+    hi = (v >> 16).to(tl.int16)
     if FP16:
         return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
     else:
@@ -164,27 +160,35 @@ def _load_x(x_ptr, perm_ptr, offs_m, mask_m, cols, stride_xm, HAS_PERM: tl.const
 
 
 @triton.jit
-def _accumulate(x, v, d, sx, SWAP: tl.constexpr, IEEE: tl.constexpr):
-    """d += x @ v^T and sx += x @ 1 (or their transposes with SWAP), float32."""
+def _accumulate(x, v, d, sx, SWAP: tl.constexpr, IEEE: tl.constexpr, SUM_DOT: tl.constexpr):
+    """d += x @ v^T (its transpose with SWAP), float32; sx += the rows' sums of x, as x @ 1 on
+    the tensor cores (the sums repeated in d's shape) with SUM_DOT, else by a reduction (BLOCK_M,)."""
     v = v.to(x.dtype)
     if SWAP:
-        xt = tl.trans(x)
-        ones = tl.full(v.shape, 1.0, tl.float32).to(x.dtype)
         if IEEE:
-            d = tl.dot(v, xt, d, input_precision="ieee")
-            sx = tl.dot(ones, xt, sx, input_precision="ieee")
+            d = tl.dot(v, tl.trans(x), d, input_precision="ieee")
         else:
-            d = tl.dot(v, xt, d)
-            sx = tl.dot(ones, xt, sx)
+            d = tl.dot(v, tl.trans(x), d)
     else:
-        vt = tl.trans(v)
-        ones = tl.full(vt.shape, 1.0, tl.float32).to(x.dtype)
         if IEEE:
-            d = tl.dot(x, vt, d, input_precision="ieee")
-            sx = tl.dot(x, ones, sx, input_precision="ieee")
+            d = tl.dot(x, tl.trans(v), d, input_precision="ieee")
         else:
-            d = tl.dot(x, vt, d)
-            sx = tl.dot(x, ones, sx)
+            d = tl.dot(x, tl.trans(v), d)
+    if SUM_DOT:
+        if SWAP:
+            ones = tl.full(v.shape, 1.0, tl.float32).to(x.dtype)
+            if IEEE:
+                sx = tl.dot(ones, tl.trans(x), sx, input_precision="ieee")
+            else:
+                sx = tl.dot(ones, tl.trans(x), sx)
+        else:
+            ones = tl.full((v.shape[1], v.shape[0]), 1.0, tl.float32).to(x.dtype)
+            if IEEE:
+                sx = tl.dot(x, ones, sx, input_precision="ieee")
+            else:
+                sx = tl.dot(x, ones, sx)
+    else:
+        sx += tl.sum(x.to(tl.float32), axis=1)
     return d, sx
 
 
@@ -193,7 +197,7 @@ def _int4_decode_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, M, N, k_
                         stride_xm, stride_qn, stride_sg, stride_os, stride_om,
                         GROUP: tl.constexpr, HAS_PERM: tl.constexpr, FP16: tl.constexpr, IEEE: tl.constexpr,
                         WIDEN: tl.constexpr,
-                        ORDER: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
+                        ORDER: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr, SUM_DOT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -211,30 +215,43 @@ def _int4_decode_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, M, N, k_
         words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + offs_w[None, :], mask=mask_n[:, None], other=0)
         if SWAP:
             d = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-            sx = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         else:
             d = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if not SUM_DOT:
+            sx = tl.zeros((BLOCK_M,), tl.float32)
+        elif SWAP:
+            sx = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        else:
             sx = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if ORDER == 2:
             for shift in tl.static_range(4):
                 lo, hi = _halves(words, shift, FP16, ASM)
                 cols = k0 + 8 * tl.arange(0, WORDS) + shift
                 x_lo = _load_x(x_ptr, perm_ptr, offs_m, mask_m, cols, stride_xm, HAS_PERM, WIDEN)
-                d, sx = _accumulate(x_lo, lo, d, sx, SWAP, IEEE)
+                d, sx = _accumulate(x_lo, lo, d, sx, SWAP, IEEE, SUM_DOT)
                 x_hi = _load_x(x_ptr, perm_ptr, offs_m, mask_m, cols + 4, stride_xm, HAS_PERM, WIDEN)
-                d, sx = _accumulate(x_hi, hi, d, sx, SWAP, IEEE)
+                d, sx = _accumulate(x_hi, hi, d, sx, SWAP, IEEE, SUM_DOT)
         else:
             p = tl.arange(0, BLOCK_K)
-            nibble = p % 8
-            if ORDER == 1:
-                nibble = (nibble >> 1) + 4 * (nibble & 1)
-            x = _load_x(x_ptr, perm_ptr, offs_m, mask_m, k0 + p - p % 8 + nibble, stride_xm, HAS_PERM, WIDEN)
-            d, sx = _accumulate(x, _weight_tile(words, FP16, ASM, ORDER, BLOCK_N, BLOCK_K), d, sx, SWAP, IEEE)
+            if ORDER == 1 and HAS_PERM:
+                x = _load_x(x_ptr, perm_ptr, offs_m, mask_m, k0 + p - p % 8 + (p % 8 >> 1) + 4 * (p & 1), stride_xm,
+                            HAS_PERM, WIDEN)
+            else:
+                x = _load_x(x_ptr, perm_ptr, offs_m, mask_m, k0 + p, stride_xm, HAS_PERM, WIDEN)
+                if ORDER == 1:  # input 4a' + 2b' + c' of each word to position 4b' + 2c' + a'
+                    x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)), (0, 1, 3, 4, 2)),
+                                   (BLOCK_M, BLOCK_K))
+            d, sx = _accumulate(x, _weight_tile(words, FP16, ASM, ORDER, BLOCK_N, BLOCK_K), d, sx, SWAP, IEEE, SUM_DOT)
         g = k0 // GROUP
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         # Sum x (q - z) = 16 Sum x v - (16 + z) Sum x, scaled per output
-        if SWAP:
+        if not SUM_DOT:
+            if SWAP:
+                acc += s[:, None] * (16.0 * d - (16.0 + z)[:, None] * sx[None, :])
+            else:
+                acc += s[None, :] * (16.0 * d - (16.0 + z)[None, :] * sx[:, None])
+        elif SWAP:
             acc += s[:, None] * (16.0 * d - (16.0 + z)[:, None] * sx)
         else:
             acc += s[None, :] * (16.0 * d - (16.0 + z)[None, :] * sx)
@@ -261,7 +278,7 @@ def launch(x: torch.Tensor, w: IntWeight, out: torch.Tensor, config: Int4DecodeC
         x, w.qweight, w.scales, w.zeros, perm, out, m, n, k // config.split_k,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), stride_os, out.stride(-2),
         GROUP=w.group_size, HAS_PERM=w.perm is not None, FP16=x.dtype == torch.float16,
-        IEEE=x.dtype == torch.float32 or widen, WIDEN=widen, ORDER=config.order, SWAP=config.swap, ASM=config.asm and not INTERPRETING,
+        IEEE=x.dtype == torch.float32 or widen, WIDEN=widen, ORDER=config.order, SWAP=config.swap, SUM_DOT=config.sum_dot, ASM=config.asm and not INTERPRETING,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
