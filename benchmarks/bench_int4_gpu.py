@@ -66,7 +66,7 @@ STRUCTURES = [dict(order=order, swap=swap, asm=asm, sum_dot=sum_dot, block_n=64 
               for order in (0, 1, 2) for swap in (True, False) for sum_dot in (False, True)
               for asm in (True, False) if asm or (order == 1 and swap and not sum_dot)]
 TILES = [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128)
-         for w, st in ((4, 2), (4, 3), (4, 4), (8, 3))]
+         for w, st in ((4, 2), (4, 3), (4, 4), (4, 6), (8, 4))]
 SPLITS = (1, 2, 4, 8)
 
 
@@ -102,11 +102,12 @@ def check() -> list[dict[str, Any]]:
 
 def decode(rate: float, sweep: bool, budget_s: float) -> list[dict[str, Any]]:
     rows = []
-    deadline = time.perf_counter() + budget_s
+    end = time.perf_counter() + budget_s
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for name, (k, n, count) in PROJECTIONS.items():
+    for i, (name, (k, n, count)) in enumerate(PROJECTIONS.items()):
         weights = [random_weight(n, k) for _ in range(count)]
         dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5 for _ in range(count)]
+        deadline = time.perf_counter() + (end - time.perf_counter()) / (len(PROJECTIONS) - i)  # an equal share left
         best_by_m = sweep_shape(name, weights, rate, deadline, rows) if sweep else {}
         for m in (1, 2, 4, 8, 16):
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -313,7 +314,7 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["check", "decode", "prefill", "engine"],
                         choices=["check", "decode", "prefill", "engine"])
     parser.add_argument("--sweep", action="store_true", help="also time the 4-bit decode kernel's variants per shape")
-    parser.add_argument("--sweep-budget", type=float, default=140.0,
+    parser.add_argument("--sweep-budget", type=float, default=130.0,
                         help="seconds the decode part may take before the sweep stops trying tiles (each shape's "
                              "structure stage always runs)")
     parser.add_argument("--fp8", action="store_true", help="an FP8-weights engine beside bf16 and awq")

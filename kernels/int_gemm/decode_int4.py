@@ -9,31 +9,36 @@ the scale leave the inner loop, and two weights share each 32-bit instruction:
   * Per word and shift s (0..3), ((word << a_s or >> b_s) & MASK) | ONES puts nibbles s and s + 4
     at the top of the mantissas of two 16-bit floats 1.0: each half is v = 1 + q / 16, exact (four
     significant bits), in the activations' 16-bit type (bfloat16 for bf16 and fp32 inputs, fp16
-    for fp16: MASK/ONES 0x00780078/0x3F803F80 and 0x03C003C0/0x3C003C00). One shift and one
-    AND-OR (a single LOP3) yield two weights; splitting the word into its halves is register
-    renaming (`ASM=True` says so to the compiler with `mov.b32 {lo, hi}`; the pure-Triton form,
-    a truncation and a shift, is what the interpreter runs).
-  * The tensor cores take x and v: per step of BLOCK_K inputs (inside one group) D = x @ v^T and
-    S = x @ 1, the rows' sums repeated per column, both float32. Since q - z = 16 v - (16 + z),
-    the step adds s * (16 D - (16 + z) S) to the accumulator: per output, not per weight.
+    for fp16: MASK/ONES 0x00780078/0x3F803F80 and 0x03C003C0/0x3C003C00). A shift and an AND-OR
+    yield two weights; ptxas keeps the AND and the OR apart (two immediates), so `ASM` writes them
+    as one inline-PTX `lop3.b32` (LUT 0xEA = a & b | c); the interpreter runs the Triton twin.
+    The 32-bit result's halves become 16-bit floats by truncation and shift, which the compiler
+    turns into register renaming.
+  * The tensor cores take x and v: per step of BLOCK_K inputs (inside one group) D = x @ v^T in
+    float32. Since q - z = 16 v - (16 + z), the step adds s * (16 D - (16 + z) S) to the
+    accumulator, S being the step's row sums of x: per output, not per weight. S is either x @ 1
+    on the tensor cores (`SUM_DOT`; the sums arrive repeated in D's layout) or a reduction.
 
-Precision: the products x * v are exact in float32 (8 + 5 significant bits) and v lies in
-[1, 2), so D holds Sum x + Sum x q / 16: the part that cancels against (16 + z) S is at most the
-size of the one that stays (a 16-bit magic would add 1024 or 128 to q, and with it 7 or 4 bits of
-cancellation). The float32 sums of one step lose about 2**-24 of Sum |x| * 16 * 2, far below the
-bf16/fp16 output's rounding; the tests compare against de-quantise-then-matmul at the tolerances
-of the float32 kernel. fp32 activations run the same bfloat16 v widened to float32 (exact), with
-IEEE dots.
+Precision: the products x * v are exact in float32 (8 + 5 significant bits), and since v lies in
+[1, 2) the cancelled part, 16 Sum x, is of the order of the part that stays, Sum x (q - z): a bit
+or two of float32's 24 bits, where a magic 128 + q (bf16 0x4300) or 1024 + q (fp16 0x6400) would
+lose about 3 or 6 more. Emulated in float64 against float32 at K = 14336, group 128, 16 bf16 rows,
+the result is off by about 1e-6 of the largest output (128 + q: a few times more), against bf16's
+rounding of 2e-3; the tests hold it to de-quantise-then-matmul at the float32 kernels' tolerance.
+fp32 activations run the same bfloat16 v widened to float32 (exact), with IEEE dots.
 
 The order along K inside each group of eight inputs (one word) is a choice, `ORDER`:
   0  natural: the eight halves are joined back into input order (x is read as stored);
   1  paired: each 32-bit result's two halves stay neighbours (input order 0 4 1 5 2 6 3 7 within
-     a word), and x is read in that order, so the tile may reach the tensor cores without moving
-     16-bit halves between registers;
+     a word, x permuted to match in registers, or gathered through perm with act-order), so the
+     tile reaches the tensor cores with fewer 16-bit moves between registers;
   2  eight dots: one dot per nibble position over the BLOCK_K / 8 words, x read at stride 8
      (needs BLOCK_K >= 128, a dot's smallest K being 16).
 `SWAP` computes the transposed product (weights as the dot's left operand, BLOCK_N of them, x
-on the right): the tensor cores' wide side then holds the weights, not M <= 16 rows of x.
+on the right): with BLOCK_N >= 64 that is one warpgroup MMA on Hopper, with the weights taken
+from registers, where x as the left operand has only M <= 16 rows. The defaults (swap, order 1,
+asm, S on the tensor cores) have the fewest instructions a weight in the compiled sm_90 loop;
+benchmarks/bench_int4_gpu.py --sweep times all of them.
 
 Grid (cdiv(N, BLOCK_N), split, 1); each program walks k_len = K / split inputs in BLOCK_K steps
 (BLOCK_K divides the group size). With split > 1 the programs write float32 partials
@@ -59,14 +64,14 @@ ORDERS = (0, 1, 2)
 
 @dataclass(frozen=True)
 class Int4DecodeConfig:
-    block_n: int = 32  # output features per program
+    block_n: int = 64  # output features per program
     block_k: int = 128  # inputs per step (at most the group size; the launcher halves it to fit)
     split_k: int = 1  # slices of K, each its own program (a runtime argument: no recompile)
     num_warps: int = 4
-    num_stages: int = 3
-    order: int = 0  # the order along K inside a word (module docstring)
-    swap: bool = False  # weights as the dot's left operand
-    asm: bool = False  # one inline-PTX LOP3 for the AND and the OR (GPU only)
+    num_stages: int = 4  # steps in flight: each program streams BLOCK_N * BLOCK_K / 2 bytes a step
+    order: int = 1  # the order along K inside a word (module docstring)
+    swap: bool = True  # weights as the dot's left operand
+    asm: bool = True  # one inline-PTX LOP3 for the AND and the OR (GPU only)
     sum_dot: bool = True  # the rows' sums of x on the tensor cores (x @ 1), else a reduction
 
     def __post_init__(self) -> None:

@@ -54,14 +54,14 @@ def choose_decode(m: int, w: IntWeight, num_sms: int) -> DecodeConfig:
 
 
 def choose_int4_decode(m: int, w: IntWeight, num_sms: int) -> Int4DecodeConfig:
-    """32 output features a program (64-byte runs per row and step), K split until every SM has a
+    """The default variant and tile (decode_int4's docstring), K split until every SM has a
     program: the partials' sum costs two more launches, so no further."""
     block_k = block_k_for(w.group_size, Int4DecodeConfig.block_k)
-    n = w.out_features
+    tiles_n = cdiv(w.out_features, Int4DecodeConfig.block_n)
     split = 1
-    while cdiv(n, 32) * split < num_sms and w.in_features % (2 * split * block_k) == 0 and split < MAX_SPLIT:
+    while tiles_n * split < num_sms and w.in_features % (2 * split * block_k) == 0 and split < MAX_SPLIT:
         split *= 2
-    return Int4DecodeConfig(block_n=32, block_k=block_k, split_k=split)
+    return Int4DecodeConfig(block_k=block_k, split_k=split)
 
 
 def int4_decode_serves(m: int, w: IntWeight) -> bool:

@@ -21,7 +21,12 @@ from kvpilot.kernels.int_gemm import (
 )
 from kvpilot.kernels.int_gemm.decode import DecodeConfig
 from kvpilot.kernels.int_gemm.decode_int4 import Int4DecodeConfig
-from kvpilot.kernels.int_gemm.launcher import block_k_for, choose_decode, choose_int4_decode, int4_decode_serves
+from kvpilot.kernels.int_gemm.launcher import (
+    block_k_for,
+    choose_decode,
+    choose_int4_decode,
+    int4_decode_serves,
+)
 from kvpilot.kernels.int_gemm.prefill import PrefillConfig
 
 SMALL_PREFILL = PrefillConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
