@@ -119,7 +119,9 @@ def _int4_decode(x: torch.Tensor, w: IntWeight, config: Int4DecodeConfig) -> tor
         return out
     partials = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
     decode_int4.launch(x, w, partials, config, block_k)
-    return partials.sum(0).to(x.dtype)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    decode_int4.sum_splits(partials, out)
+    return out
 
 
 def int_gemm_prefill(x: torch.Tensor, w: IntWeight, config: PrefillConfig | None = None) -> torch.Tensor:
