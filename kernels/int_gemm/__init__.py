@@ -17,9 +17,14 @@ Modules, one concept each:
 * `layout.py`: `IntWeight`, packing and unpacking, and the plain-torch twin (de-quantise, then
   `F.linear`) that the kernels are tested against and the CPU path runs;
 * `unpack.py`: the device functions both kernels share (expand packed words, de-quantise a tile);
-* `decode.py`: the kernel for decode-sized batches (M <= 64), many programs over N, optional split-K;
+* `decode_int4.py`: 4-bit weights at M <= 16, zero point and scale applied per group rather than
+  per weight, two weights per 32-bit instruction, on the tensor cores;
+* `decode.py`: the kernel for the other decode-sized batches (M <= 64: 8-bit weights, 4-bit past
+  M = 16), many programs over N, optional split-K;
 * `prefill.py`: the tiled kernel for larger M (compute-bound), a bf16/fp16 tile per inner step;
 * `launcher.py`: argument checks, tile choice per shape and which kernel serves a batch.
+`unpack.py` serves `decode.py` and `prefill.py`; `decode_int4.py` unpacks on its own (16-bit
+floats, two per word operation, in a K order of its choosing).
 """
 
 from typing import Any

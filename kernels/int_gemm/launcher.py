@@ -55,7 +55,7 @@ def choose_decode(m: int, w: IntWeight, num_sms: int) -> DecodeConfig:
 
 def choose_int4_decode(m: int, w: IntWeight, num_sms: int) -> Int4DecodeConfig:
     """The default variant and tile (decode_int4's docstring), K split until every SM has a
-    program: the partials' sum costs two more launches, so no further."""
+    program: the partials' sum costs one more launch, so no further."""
     block_k = block_k_for(w.group_size, Int4DecodeConfig.block_k)
     tiles_n = cdiv(w.out_features, Int4DecodeConfig.block_n)
     split = 1
