@@ -11,7 +11,8 @@ the scale leave the inner loop, and two weights share each 32-bit instruction:
     significant bits), in the activations' 16-bit type (bfloat16 for bf16 and fp32 inputs, fp16
     for fp16: MASK/ONES 0x00780078/0x3F803F80 and 0x03C003C0/0x3C003C00). A shift and an AND-OR
     yield two weights; ptxas keeps the AND and the OR apart (two immediates), so `ASM` writes them
-    as one inline-PTX `lop3.b32` (LUT 0xEA = a & b | c); the interpreter runs the Triton twin.
+    as one inline-PTX `lop3.b32` (LUT 0xEA = a & b | c). The interpreter cannot run inline PTX
+    and runs the Triton twin instead, so the PTX is checked on the GPU only (the GPU tests).
     The 32-bit result's halves become 16-bit floats by truncation and shift, which the compiler
     turns into register renaming.
   * The tensor cores take x and v: per step of BLOCK_K inputs (inside one group) D = x @ v^T in
