@@ -29,9 +29,6 @@ class LLM:
     def _start(self, engine_args: EngineArgs) -> None:
         self.engine_args = engine_args
         self.engine = LLMEngine(engine_args.create_engine_config())
-        # no idle moments here to run the engine's after-ready units in: the CPU KV cache's pages
-        # are faulted in on a thread (the device's caches are resident from the start)
-        self.engine.runner.prefault_kv_cache()
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

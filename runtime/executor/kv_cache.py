@@ -17,11 +17,8 @@ space alike — in batches whose temporary memory the plan bounds.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import mmap
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,9 +31,6 @@ from kvpilot.runtime.tunables import BLOCK_SIZE
 # Temporary memory one relayout batch may use per cache tensor (one layer's K or V): the plan's
 # max_batch is derived from it, so a switch needs this much headroom on the device, not a second cache.
 RELAYOUT_TEMP_BYTES = 256 << 20
-# `prefault`: the pages made resident a unit (tens of milliseconds of the kernel's page zeroing)
-PREFAULT_CHUNK_BYTES = 64 << 20
-MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in, writable, without changing what they hold
 
 
 class Writes(Protocol):  # engine.relayout.Writes
@@ -145,41 +139,6 @@ def allocate(layout: KVCacheLayout, num_tokens: int) -> torch.Tensor:
     if hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)  # as the weights get (cli.py's THP_MEM_ALLOC_ENABLE)
     return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(layout.dtype).view(2 * layout.num_layers, n)
-
-
-def prefault(storage: torch.Tensor, chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> Iterator[int]:
-    """Make `allocate`'s CPU storage resident, a chunk per item (yields the bytes done so far).
-
-    Until then each page costs the step that first writes a token into it a page fault and the
-    kernel's zeroing of it, in the middle of the step's cache writes. madvise(MADV_POPULATE_WRITE) leaves the
-    contents as they are, so this may run while steps use the cache, from another thread too (the
-    call releases the GIL). A kernel older than 5.14 refuses it: the pages then stay lazy (nothing
-    else is safe beside running steps)."""
-    if storage.device.type != "cpu":
-        return
-    total = storage.numel() * storage.element_size()
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    start = storage.data_ptr()  # page-aligned (`allocate`'s mmap), as madvise needs every chunk's start
-    chunk_bytes = max(mmap.PAGESIZE, chunk_bytes // mmap.PAGESIZE * mmap.PAGESIZE)
-    for offset in range(0, total, chunk_bytes):
-        if madvise(start + offset, min(chunk_bytes, total - offset), MADV_POPULATE_WRITE) != 0:
-            return
-        yield min(offset + chunk_bytes, total)
-
-
-def prefault_in_background(storage: torch.Tensor) -> threading.Thread:
-    """`prefault` on a thread (the offline `LLM`, which has no idle moments to run it in). It stops
-    within a chunk once the main thread has finished, so it neither holds the interpreter's exit
-    back nor is killed inside a call, as a daemon thread would be."""
-    def run() -> None:
-        for _ in prefault(storage):
-            if not threading.main_thread().is_alive():
-                return
-
-    thread = threading.Thread(target=run, name="kv-prefault")
-    thread.start()
-    return thread
 
 
 def block_view(flat: torch.Tensor, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

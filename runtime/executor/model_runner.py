@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Iterator
 
@@ -153,18 +152,11 @@ class ModelRunner:
         assert self.swap_space is not None
         self.swap_space.allocate_host()
 
-    def prefault_kv_cache(self) -> threading.Thread:
-        """The offline `LLM`'s `prepare_later` for the CPU KV cache: its pages on a thread."""
-        return kv_cache.prefault_in_background(self._kv_storage)
-
     def prepare_later(self) -> Iterator[str]:
         """The start-up work that serving does not need yet, one unit per item: for each other
         allowed block size (nearest first), its kernels, then its decode graphs one batch size at
         a time. The engine runs the units between steps (engine/warm_up.py); each yields what it
-        did. A size that a live change prepared meanwhile (`_graphs_for`) is skipped. On the CPU:
-        the KV cache's pages, a chunk a unit (`kv_cache.prefault`)."""
-        for done in kv_cache.prefault(self._kv_storage):
-            yield f"KV cache pages: {done >> 20} MiB"
+        did. A size that a live change prepared meanwhile (`_graphs_for`) is skipped."""
         if self.device.type != "cuda" or self.tp.size > 1:
             return
         here = self.block_size
