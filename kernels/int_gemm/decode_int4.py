@@ -37,9 +37,11 @@ The order along K inside each group of eight inputs (one word) is a choice, `ORD
      (needs BLOCK_K >= 128, a dot's smallest K being 16).
 `SWAP` computes the transposed product (weights as the dot's left operand, BLOCK_N of them, x
 on the right): with BLOCK_N >= 64 that is one warpgroup MMA on Hopper, with the weights taken
-from registers, where x as the left operand has only M <= 16 rows. The defaults (swap, order 1,
-asm, S on the tensor cores) have the fewest instructions a weight in the compiled sm_90 loop;
-benchmarks/bench_int4_gpu.py --sweep times all of them.
+from registers, where x as the left operand has only M <= 16 rows. The defaults (swap, order 0,
+asm, S by a reduction, BLOCK_N 64, 4 warps, 3 stages) are the variant that
+benchmarks/bench_int4_gpu.py --sweep timed fastest on an H100 at every Llama-3-8B projection shape
+(order 1 and S on the tensor cores have fewer instructions a weight in the compiled loop, but
+were not faster: the kernel is bound by each step's latency, not by its instructions).
 
 Grid (cdiv(N, BLOCK_N), split, 1); each program walks k_len = K / split inputs in BLOCK_K steps
 (BLOCK_K divides the group size). With split > 1 the programs write float32 partials
@@ -69,11 +71,11 @@ class Int4DecodeConfig:
     block_k: int = 128  # inputs per step (at most the group size; the launcher halves it to fit)
     split_k: int = 1  # slices of K, each its own program (a runtime argument: no recompile)
     num_warps: int = 4
-    num_stages: int = 4  # steps in flight: each program streams BLOCK_N * BLOCK_K / 2 bytes a step
-    order: int = 1  # the order along K inside a word (module docstring)
+    num_stages: int = 3  # steps in flight: each program streams BLOCK_N * BLOCK_K / 2 bytes a step
+    order: int = 0  # the order along K inside a word (module docstring)
     swap: bool = True  # weights as the dot's left operand
     asm: bool = True  # one inline-PTX LOP3 for the AND and the OR (GPU only)
-    sum_dot: bool = True  # the rows' sums of x on the tensor cores (x @ 1), else a reduction
+    sum_dot: bool = False  # the rows' sums of x on the tensor cores (x @ 1), else a reduction
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:

@@ -18,6 +18,7 @@ from kvpilot.kernels.int_gemm.prefill import PrefillConfig
 DECODE_MAX_M = 64
 BLOCK_NS = (64, 32, 16)  # decode column tiles, widest first
 MAX_SPLIT = 8
+INT4_STEPS = 8  # block_k steps a 4-bit decode program walks at most, where K allows (choose_int4_decode)
 
 
 def check(x: torch.Tensor, w: IntWeight) -> None:
@@ -54,12 +55,16 @@ def choose_decode(m: int, w: IntWeight, num_sms: int) -> DecodeConfig:
 
 
 def choose_int4_decode(m: int, w: IntWeight, num_sms: int) -> Int4DecodeConfig:
-    """The default variant and tile (decode_int4's docstring), K split until every SM has a
-    program: the partials' sum costs one more launch, so no further."""
+    """The default variant and tile (decode_int4's docstring), K split until each program walks at
+    most INT4_STEPS steps of block_k (up to MAX_SPLIT slices) or, with few column tiles, until every
+    SM has a program: a program's steps run one after another, each waiting on its loads and its
+    product (the sweep's fastest split on an H100 gave each program 8 to 14 steps), and the partials'
+    sum costs one more launch."""
     block_k = block_k_for(w.group_size, Int4DecodeConfig.block_k)
     tiles_n = cdiv(w.out_features, Int4DecodeConfig.block_n)
     split = 1
-    while tiles_n * split < num_sms and w.in_features % (2 * split * block_k) == 0 and split < MAX_SPLIT:
+    while (w.in_features // (split * block_k) > INT4_STEPS or tiles_n * split < num_sms) \
+            and w.in_features % (2 * split * block_k) == 0 and split < MAX_SPLIT:
         split *= 2
     return Int4DecodeConfig(block_k=block_k, split_k=split)
 

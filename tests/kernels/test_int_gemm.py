@@ -173,6 +173,9 @@ def test_int4_decode_leaves_other_weights_and_batches_to_the_old_kernels() -> No
     assert not int4_decode_serves(17, random_weight(32, 128, 4, 64, torch.float32, cpu))
     config = choose_int4_decode(1, random_weight(4096, 256, 4, 32, torch.float32, cpu), num_sms=132)
     assert config.block_k == 32 and 4096 // config.block_n * config.split_k >= 132
+    # plenty of column tiles: K is still split, so that no program walks more than INT4_STEPS steps
+    for (n, k), split in {(6144, 4096): 4, (4096, 14336): 8, (28672, 512): 1}.items():
+        assert choose_int4_decode(1, random_weight(n, k, 4, 128, torch.float32, cpu), num_sms=132).split_k == split
     with pytest.raises(ValueError, match="4-bit weights"):
         int_gemm_decode(torch.randn(1, 128), random_weight(32, 128, 8, 64, torch.float32, cpu), Int4DecodeConfig())
     with pytest.raises(ValueError, match="order 2 needs block_k >= 128"):
