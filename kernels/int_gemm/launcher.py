@@ -58,7 +58,7 @@ def choose_int4_decode(m: int, w: IntWeight, num_sms: int) -> Int4DecodeConfig:
     """The default variant and tile (decode_int4's docstring), K split until each program walks at
     most INT4_STEPS steps of block_k (up to MAX_SPLIT slices) or, with few column tiles, until every
     SM has a program: a program's steps run one after another, each waiting on its loads and its
-    product (the sweep's fastest split on an H100 gave each program 8 to 14 steps), and the partials'
+    product (the split benchmarks/bench_int4_gpu.py's sweep found fastest), and the partials'
     sum costs one more launch."""
     block_k = block_k_for(w.group_size, Int4DecodeConfig.block_k)
     tiles_n = cdiv(w.out_features, Int4DecodeConfig.block_n)
