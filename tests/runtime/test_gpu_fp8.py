@@ -35,7 +35,7 @@ def test_fp8_on_cuda_gives_the_cpu_paths_tokens(tmp_path: Path) -> None:
     make_tiny_model(tmp_path, "llama")
     rng = random.Random(3)
     batch = [{"prompt_token_ids": [rng.randrange(256) for _ in range(n)]} for n in [3, 50, 120, 7] * 6]  # 24 rows
-    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2)  # the CPU's second token at a parting
     outputs = {}
     for device in ("cpu", "cuda"):
         llm = LLM(str(tmp_path), device=device, dtype="float32", quantization="fp8", max_model_len=256,
@@ -56,7 +56,7 @@ def test_fp8_on_cuda_gives_the_cpu_paths_tokens(tmp_path: Path) -> None:
             gaps.append(abs(cpu.logprobs[i][token].logprob - cuda.logprobs[i][token].logprob))
         if parted is not None:
             top = sorted(cpu.logprobs[parted].items(), key=lambda item: item[1].rank)
-            assert len(top) == 2 and top[1][0] == cuda.token_ids[parted], (parted, top, cuda.token_ids)
+            assert len(top) >= 2 and top[1][0] == cuda.token_ids[parted], (parted, top, cuda.token_ids)
             assert top[0][1].logprob - top[1][1].logprob <= FLIP, (parted, top)
     ordered = sorted(gaps)
     summary = (f"{len(gaps)} log-probabilities, {sum(g <= AGREE for g in gaps)} within {AGREE}; quartiles "
