@@ -5,7 +5,9 @@ stand-in's port as the serving port; there is no kubelet).
 
 Before the restart: a service tuned live (its ConfigMap carries the tuned config), one tuned by
 rollout (its Deployment's flags do), and two caught in a canary (two pods, and one alone). After
-it: the Deployments' pod templates and resourceVersions and the ConfigMap are as they were, the
+it: the Deployments are as they were but for the Deployment controller's status updates (their
+generation, metadata, writers and pod templates; `Service.deployment`), the ConfigMap to its
+resourceVersion, the
 two-pod canary is judged on by the new operator (promoted), and the lone one, whose window
 before the change went with the old operator, is rolled back — each with its Event and its
 decision in status. Nothing here races the machine's speed: the canaries' pods finish no request
@@ -115,11 +117,18 @@ class Service:
     def tuning(self) -> dict[str, Any]:
         return self.status().get("tuning") or {}
 
-    def deployment(self) -> tuple[str, Any]:
-        """Its resourceVersion and pod template."""
+    def deployment(self) -> tuple[Any, Any]:
+        """What a write to the Deployment other than the Deployment controller's status updates
+        changes (those bump its resourceVersion whenever the controller gets to them, which on a
+        loaded machine can be long after the object looked settled): its generation (any spec
+        change), its labels and annotations, who wrote what when (managedFields, the status
+        subresource's left out), and its pod template."""
         deployment = self.apps.read_namespaced_deployment(self.name, self.namespace)
-        return deployment.metadata.resource_version, self.apps.api_client.sanitize_for_serialization(
-            deployment.spec.template)
+        meta = deployment.metadata
+        writes = sorted((f.manager, f.operation, str(f.time)) for f in meta.managed_fields or []
+                        if f.subresource != "status")
+        return ((meta.generation, meta.labels, meta.annotations, writes),
+                self.apps.api_client.sanitize_for_serialization(deployment.spec.template))
 
     def config_map(self) -> tuple[str, dict[str, str]]:
         config_map = self.core.read_namespaced_config_map(f"{self.name}-tuned", self.namespace)
