@@ -108,7 +108,7 @@ def decode(rate: float, sweep: bool, budget_s: float) -> list[dict[str, Any]]:
         weights = [random_weight(n, k) for _ in range(count)]
         dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5 for _ in range(count)]
         deadline = time.perf_counter() + (end - time.perf_counter()) / (len(PROJECTIONS) - i)  # an equal share left
-        best_by_m = sweep_shape(name, weights, rate, deadline, rows) if sweep else {}
+        best_by_m = sweep_shape(name, weights, rate, num_sms, deadline, rows) if sweep else {}
         for m in (1, 2, 4, 8, 16):
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             floor_us = floor(weights[0], m, rate)
@@ -142,7 +142,7 @@ def floor(w: IntWeight, m: int, rate: float) -> float:
     return (packed_bytes(w) + 2 * m * (k + n)) / rate * 1e6
 
 
-def sweep_shape(name: str, weights: list[IntWeight], rate: float, deadline: float,
+def sweep_shape(name: str, weights: list[IntWeight], rate: float, num_sms: int, deadline: float,
                 rows: list[dict[str, Any]]) -> dict[int, tuple[float, Int4DecodeConfig]]:
     """The 4-bit kernel's variants on one shape: structures first, then tiles and splits for the two
     best structures (while the budget lasts). Returns the best (us, config) per M in SWEEP_MS."""
@@ -150,7 +150,7 @@ def sweep_shape(name: str, weights: list[IntWeight], rate: float, deadline: floa
     xs = {m: torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for m in SWEEP_MS}
     wide = IntWeight(weights[0].qweight, weights[0].scales.float(), weights[0].zeros.float(), 4, GROUP)
     expected = {m: int_linear_reference(x.float(), wide) for m, x in xs.items()}
-    default_split = choose_int4_decode(1, weights[0], torch.cuda.get_device_properties(0).multi_processor_count).split_k
+    default_split = choose_int4_decode(1, weights[0], num_sms).split_k
     results: list[tuple[float, int, Int4DecodeConfig]] = []
 
     def attempt(config: Int4DecodeConfig, stage: str) -> float | None:
@@ -174,7 +174,7 @@ def sweep_shape(name: str, weights: list[IntWeight], rate: float, deadline: floa
             row.update(us=us, of_floor=floor(weights[0], m, rate) / us)
             rows.append(row)
             results.append((us, m, config))
-            total += us / floor(weights[0], m, rate)
+            total += 1 / row["of_floor"]
         return total
 
     scored = []

@@ -22,6 +22,7 @@ Modules, one concept each:
 * `decode.py`: the kernel for the other decode-sized batches (M <= 64: 8-bit weights, 4-bit past
   M = 16), many programs over N, optional split-K;
 * `prefill.py`: the tiled kernel for larger M (compute-bound), a bf16/fp16 tile per inner step;
+* `splits.py`: the decode kernels' split-K partials summed and rounded in one launch;
 * `launcher.py`: argument checks, tile choice per shape and which kernel serves a batch.
 `unpack.py` serves `decode.py` and `prefill.py`; `decode_int4.py` unpacks on its own (16-bit
 floats, two per word operation, in a K order of its choosing).

@@ -45,7 +45,7 @@ were not faster: the kernel is bound by each step's latency, not by its instruct
 
 Grid (cdiv(N, BLOCK_N), split, 1); each program walks k_len = K / split inputs in BLOCK_K steps
 (BLOCK_K divides the group size). With split > 1 the programs write float32 partials
-(split, M, N) that one more launch (`sum_splits`) adds up and rounds to the output's dtype. Act-order weights (perm) read x's columns through perm;
+(split, M, N) that one more launch (`splits.sum_splits`) adds up and rounds to the output's dtype. Act-order weights (perm) read x's columns through perm;
 8-bit weights keep `decode.py`.
 """
 
@@ -269,24 +269,6 @@ def _int4_decode_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, M, N, k_
     else:
         out_ptrs = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _sum_splits_kernel(partials_ptr, out_ptr, size, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < size
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for i in tl.static_range(SPLIT):
-        acc += tl.load(partials_ptr + i * size + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def sum_splits(partials: torch.Tensor, out: torch.Tensor) -> None:
-    """out (M, N) = partials (split, M, N) float32 summed over the splits, both contiguous: one
-    launch where torch takes two (the sum, then the cast)."""
-    size = out.numel()
-    block = 1024
-    _sum_splits_kernel[(cdiv(size, block),)](partials, out, size, SPLIT=partials.shape[0], BLOCK=block)
 
 
 def launch(x: torch.Tensor, w: IntWeight, out: torch.Tensor, config: Int4DecodeConfig, block_k: int) -> None:

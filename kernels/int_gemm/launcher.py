@@ -5,11 +5,13 @@ the weights' bytes), larger batches `prefill.py` (bound by the tensor cores)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvpilot.kernels.checks import FLOAT_DTYPES, check_tensor
 from kvpilot.kernels.host import cdiv, next_power_of_2
-from kvpilot.kernels.int_gemm import decode, decode_int4, prefill
+from kvpilot.kernels.int_gemm import decode, decode_int4, prefill, splits
 from kvpilot.kernels.int_gemm.decode import DecodeConfig
 from kvpilot.kernels.int_gemm.decode_int4 import Int4DecodeConfig
 from kvpilot.kernels.int_gemm.layout import IntWeight
@@ -95,15 +97,7 @@ def int_gemm_decode(x: torch.Tensor, w: IntWeight, config: DecodeConfig | Int4De
     if w.in_features % (config.split_k * block_k):
         raise ValueError(f"split_k {config.split_k} x block_k {block_k} must divide in_features {w.in_features}")
     block_m = max(16, next_power_of_2(min(m, DECODE_MAX_M)))
-    if m == 0:
-        return torch.empty((0, n), dtype=x.dtype, device=x.device)
-    if config.split_k == 1:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        decode.launch(x, w, out, config, block_m, block_k)
-        return out
-    partials = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
-    decode.launch(x, w, partials, config, block_m, block_k)
-    return partials.sum(0).to(x.dtype)
+    return _split_k(x, n, config.split_k, lambda out: decode.launch(x, w, out, config, block_m, block_k))
 
 
 def _int4_decode(x: torch.Tensor, w: IntWeight, config: Int4DecodeConfig) -> torch.Tensor:
@@ -116,16 +110,22 @@ def _int4_decode(x: torch.Tensor, w: IntWeight, config: Int4DecodeConfig) -> tor
         raise ValueError(f"order 2 needs block_k >= 128; group size {w.group_size} allows {block_k}")
     if w.in_features % (config.split_k * block_k):
         raise ValueError(f"split_k {config.split_k} x block_k {block_k} must divide in_features {w.in_features}")
-    if m == 0:
-        return torch.empty((0, n), dtype=x.dtype, device=x.device)
-    if config.split_k == 1:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        decode_int4.launch(x, w, out, config, block_k)
-        return out
-    partials = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
-    decode_int4.launch(x, w, partials, config, block_k)
+    return _split_k(x, n, config.split_k, lambda out: decode_int4.launch(x, w, out, config, block_k))
+
+
+def _split_k(x: torch.Tensor, n: int, split_k: int, launch: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    """A decode kernel's (M, N) output in x's dtype: `launch(out)` writes it, or with split_k > 1
+    its (split_k, M, N) float32 partials, which one more launch sums and rounds."""
+    m = x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    decode_int4.sum_splits(partials, out)
+    if m == 0:
+        return out
+    if split_k == 1:
+        launch(out)
+        return out
+    partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    launch(partials)
+    splits.sum_splits(partials, out)
     return out
 
 
